@@ -1,0 +1,45 @@
+# scalelab — every target sets itself up: a fresh clone needs only `make compare` or `make test`.
+# `make help` lists the targets.
+PYTHON     ?= python3
+VENV       ?= .venv
+# CPU build by default. On a GPU box: make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=<your CUDA wheel index>
+TORCH_SPEC ?= torch==2.13.0
+PIP_FLAGS  ?=
+BIN        := $(VENV)/bin
+STAMP      := $(VENV)/.scalelab-installed
+OUT        ?= runs/compare
+REPORT     ?= reports/compare
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-all compare report bench clean
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv: torch first (CPU build), then scalelab with its dev extras
+
+test: setup ## Run the test suite (CI path: everything but tests marked slow)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup ## Run every test, slow ones included
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+compare: setup ## Run the default comparison sweep on the CPU and write its report
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train -m +experiment=compare hydra.sweep.dir=$(OUT)
+	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
+
+report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
+	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
+
+bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON)
+	$(BIN)/scalelab-bench
+
+clean: ## Remove runs, reports and caches (keeps .venv)
+	rm -rf runs reports outputs multirun .pytest_cache .hypothesis
