@@ -1,0 +1,156 @@
+"""One pass over the gradients: unscale in place and gather the statistics every strategy uses.
+
+For gradients ``g`` in groups ``l = 0..G-1`` with inverse scales ``inv_l`` this computes, per
+group, on the gradients' device and without any host synchronisation:
+
+* ``g <- g * inv_l`` in place, in float arithmetic cast back to ``g``'s dtype, skipped when
+  ``inv_l == 1`` — exactly ``torch._amp_foreach_non_finite_check_and_unscale_``, so a strategy
+  built on it stays bit-identical to ``torch.amp.GradScaler``;
+* ``found_inf_l``  = 1.0 if any element is NaN or ±Inf, else 0.0;
+* ``absmax_l``     = max |g * inv_l| (NaN/Inf propagate; a strategy never feeds a non-finite step);
+* ``sumsq_l``      = sum (g * inv_l)^2  (so the L2 norm is ``sqrt(sum_l sumsq_l)``);
+* ``zeros_l``      = #{g == 0} and ``subnormals_l`` = #{0 < |g| < 2^-14} — counted on the values
+  *as they arrived* (scaled), because that is where the fp16 range decides what survives;
+* ``numel_l``.
+
+:func:`unscale_and_stats` uses the fused kernel from ``cuda/`` when it is built (CPU twin or
+CUDA), else :func:`unscale_and_stats_reference`, the plain-torch multi-pass version that is also
+the oracle of the kernel tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+FP16_MIN_NORMAL = 2.0**-14
+"""Smallest positive normal float16; below it values are subnormal (precision loss) or zero."""
+
+
+@dataclass
+class GradStats:
+    """Per-group gradient statistics; every field is a device tensor of shape ``[G]``."""
+
+    found_inf: torch.Tensor  # float32
+    absmax: torch.Tensor  # float32
+    sumsq: torch.Tensor  # float32
+    zeros: torch.Tensor  # int64
+    subnormals: torch.Tensor  # int64
+    numel: torch.Tensor  # int64
+
+    @staticmethod
+    def empty(num_groups: int, device: torch.device | str) -> "GradStats":
+        f = dict(dtype=torch.float32, device=device)
+        i = dict(dtype=torch.int64, device=device)
+        return GradStats(
+            torch.zeros(num_groups, **f),
+            torch.zeros(num_groups, **f),
+            torch.zeros(num_groups, **f),
+            torch.zeros(num_groups, **i),
+            torch.zeros(num_groups, **i),
+            torch.zeros(num_groups, **i),
+        )
+
+    def to(self, device: torch.device) -> "GradStats":
+        return GradStats(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
+
+    def combine(self, other: "GradStats") -> "GradStats":
+        """Statistics of the union of two disjoint gradient sets (other optimizers or devices)."""
+        return GradStats(
+            torch.maximum(self.found_inf, other.found_inf),
+            torch.maximum(self.absmax, other.absmax),
+            self.sumsq + other.sumsq,
+            self.zeros + other.zeros,
+            self.subnormals + other.subnormals,
+            self.numel + other.numel,
+        )
+
+    def total(self) -> "GradStats":
+        """Reduce over groups: every field becomes shape ``[1]``."""
+        return GradStats(
+            self.found_inf.amax(0, keepdim=True),
+            self.absmax.amax(0, keepdim=True),
+            self.sumsq.sum(0, keepdim=True),
+            self.zeros.sum(0, keepdim=True),
+            self.subnormals.sum(0, keepdim=True),
+            self.numel.sum(0, keepdim=True),
+        )
+
+
+def _group_lists(
+    grads: Sequence[torch.Tensor], group_index: Sequence[int] | None, num_groups: int
+) -> list[list[torch.Tensor]]:
+    if group_index is None:
+        group_index = [0] * len(grads)
+    if len(group_index) != len(grads):
+        raise ValueError(
+            f"group_index must have one entry per gradient ({len(grads)}), got {len(group_index)}"
+        )
+    groups: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+    for g, gi in zip(grads, group_index):
+        if not 0 <= gi < num_groups:
+            raise ValueError(f"group_index entries must be in [0, {num_groups}), got {gi}")
+        groups[gi].append(g)
+    return groups
+
+
+def _per_group_inv(inv_scale: torch.Tensor, num_groups: int) -> torch.Tensor:
+    inv = inv_scale.reshape(-1)
+    if inv.numel() == 1:
+        return inv.expand(num_groups)
+    if inv.numel() != num_groups:
+        raise ValueError(f"inv_scale must have 1 or {num_groups} elements, got {inv.numel()}")
+    return inv
+
+
+def unscale_and_stats_reference(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    group_index: Sequence[int] | None = None,
+    num_groups: int = 1,
+) -> GradStats:
+    """Plain-torch multi-pass implementation of the statistics contract (the oracle)."""
+    device = inv_scale.device
+    out = GradStats.empty(num_groups, device)
+    inv = _per_group_inv(inv_scale, num_groups)
+    with torch.no_grad():
+        for gi, gs in enumerate(_group_lists(grads, group_index, num_groups)):
+            gs = [g for g in gs if g.numel() > 0]
+            if not gs:
+                continue
+            # Counts first: they describe the values as backward produced them.
+            zeros = torch.stack([(g == 0).sum() for g in gs]).sum()
+            tiny = torch.stack([(g.abs() < FP16_MIN_NORMAL).sum() for g in gs]).sum()
+            out.zeros[gi] = zeros
+            out.subnormals[gi] = tiny - zeros
+            out.numel[gi] = sum(g.numel() for g in gs)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, out.found_inf[gi], inv[gi])
+            absmax = torch.stack(torch._foreach_norm(gs, float("inf"))).float().amax()
+            norms = torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32))
+            out.absmax[gi] = absmax
+            out.sumsq[gi] = norms.square().sum()
+    return out
+
+
+def unscale_and_stats(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    group_index: Sequence[int] | None = None,
+    num_groups: int = 1,
+) -> GradStats:
+    """Unscale ``grads`` in place by their group's ``inv_scale`` and return :class:`GradStats`.
+
+    ``inv_scale`` is a float32 tensor of shape ``[]`` or ``[num_groups]`` on the gradients'
+    device; ``group_index[i]`` is the group of ``grads[i]`` (all in group 0 when omitted).
+    """
+    return unscale_and_stats_reference(grads, inv_scale, group_index, num_groups)
+
+
+def unscale_and_check(
+    grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+) -> None:
+    """The found-inf-only path (no statistics): torch's own op, for strategies that need none."""
+    with torch.no_grad():
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
