@@ -1,0 +1,230 @@
+"""Data-parallel plumbing and the strategies' cross-rank agreement, on CPU with gloo.
+
+The two-process tests start 2 ranks once per module (``torch.multiprocessing.spawn``, a
+``file://`` rendezvous in tmp, so no port is needed) and run every registered strategy in them.
+Under DDP the gradients are averaged inside ``backward()``, so a fault produced by backward
+reaches every rank by itself. The case that needs the strategies' own all-reduce is a gradient
+that differs *after* backward: the tests write an Inf (or a large finite spike) into rank 1's
+gradient only. With ``distributed="auto"`` both ranks must skip the same step and keep bit-
+identical parameters, optimizer state and scales; with ``distributed="off"`` (the control) the
+ranks must disagree -- which shows the test can fail.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import strategies
+from experiments import distributed as D
+from experiments.models import MLP
+
+WORLD = 2
+STEPS = 6
+INF_STEP = 2  # rank 1's gradient gets an Inf after backward
+SPIKE_STEP = 5  # rank 1's gradient gets a finite x1000 spike (last step: parameters diverge after it)
+
+
+# ----------------------------------------------------------------------------- single process
+def _clear_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_setup_single_process_has_no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_env(monkeypatch)
+    info = D.setup(device="cpu")
+    assert (info.rank, info.world_size, info.local_rank, info.is_main) == (0, 1, 0, True)
+    assert info.device == torch.device("cpu") and info.backend is None and not info.distributed
+    assert not torch.distributed.is_initialized()
+    model = torch.nn.Linear(3, 2)
+    assert D.wrap_model(model, info) is model
+    x = torch.arange(12.0).reshape(6, 2)
+    assert D.shard_batch(x, info) is x
+    assert list(D.shard_indices(5, info)) == [0, 1, 2, 3, 4]
+    assert D.broadcast_object({"a": 1}, info) == {"a": 1}
+    assert D.all_reduce_mean(torch.tensor(6.0), 4, info).item() == 1.5
+    assert D.main_only(info, lambda: "written") == "written"
+    D.cleanup()  # no group: a no-op
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK must be in [0, 1]"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"}, "LOCAL_RANK must be >= 0"),
+    ],
+)
+def test_setup_rejects_inconsistent_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
+    _clear_env(monkeypatch)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        D.setup(device="cpu")
+
+
+def test_setup_rejects_unknown_or_missing_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_env(monkeypatch)
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
+        D.setup(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            D.setup(device="cuda")
+        assert D.setup(device="auto").device == torch.device("cpu")
+
+
+def test_rank_sharding_partitions_the_global_batch() -> None:
+    x = torch.arange(24.0).reshape(8, 3)
+    infos = [D.DistInfo(r, 4, r, torch.device("cpu"), r == 0, "gloo") for r in range(4)]
+    shards = [D.shard_batch({"x": x, "y": (x[:, 0], x[:, 1])}, i) for i in infos]
+    assert torch.equal(torch.cat([s["x"] for s in shards]), x)
+    assert torch.equal(torch.cat([s["y"][1] for s in shards]), x[:, 1])
+    idx = [list(D.shard_indices(10, i)) for i in infos]
+    assert sorted(sum(idx, [])) == list(range(10)) and idx[1] == [1, 5, 9]
+    with pytest.raises(ValueError, match="batch size must be divisible by world_size=4 to shard it, got 6"):
+        D.shard_batch(x[:6], infos[0])
+    # rank 0 draws what an undistributed run draws; other ranks draw a different stream
+    assert D.rank_seed(7, 0) == 7 and len({D.rank_seed(7, r) for r in range(4)}) == 4
+    draws = [torch.randint(0, 10**6, (4,), generator=D.rank_generator(7, i)) for i in infos]
+    assert torch.equal(draws[0], torch.randint(0, 10**6, (4,), generator=torch.Generator().manual_seed(7)))
+    assert not torch.equal(draws[0], draws[1])
+
+
+# ----------------------------------------------------------------------------- two processes
+def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+def _flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+def _opt_state(opt: torch.optim.Optimizer) -> torch.Tensor:
+    return _flat(s["exp_avg"] for s in opt.state.values()) if opt.state else torch.zeros(0)
+
+
+def _run_strategy(name: str, mode: str, info: D.DistInfo) -> list[dict[str, Any]]:
+    """STEPS training steps of a tiny DDP MLP under strategy ``name``; one record per step."""
+    torch.manual_seed(0)
+    model = MLP(in_features=8, num_classes=4, width=16, depth=2)
+    ddp = D.wrap_model(model, info)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    strat = strategies.create(name, init_scale=2.0**10, growth_interval=1, distributed=mode)
+    strat.attach(model)
+    gen = D.rank_generator(1, info)  # a different batch on each rank
+    batch: dict[str, torch.Tensor] = {}
+
+    def reference() -> torch.Tensor:  # norm_ratio's fp32 probe: on the plain module, not the DDP wrapper
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    strat.set_reference(reference, list(model.parameters()))
+    records = []
+    for step in range(STEPS):
+        batch["x"], batch["y"] = _batch(gen)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(batch["x"]), batch["y"])
+        strat.scale(loss).backward()
+        if info.rank == 1 and step == INF_STEP:
+            model.head.weight.grad[0, 0] = float("inf")
+        if info.rank == 1 and step == SPIKE_STEP:
+            model.head.weight.grad.mul_(1000.0)
+        before = _flat(model.parameters())
+        before_opt = _opt_state(opt)
+        strat.step(opt)
+        strat.update()
+        tel = {k: v.detach().clone() for k, v in strat.telemetry().items()}
+        records.append(
+            {
+                "params": _flat(model.parameters()),
+                "opt_state": _opt_state(opt),
+                "stepped": not torch.equal(before, _flat(model.parameters())),
+                "opt_state_kept": torch.equal(before_opt, _opt_state(opt)),
+                "scale": strat.get_scale(),
+                "telemetry": tel,
+            }
+        )
+    strat.detach()
+    return records
+
+
+def _worker(rank: int, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    info = D.setup(device="cpu", init_method=f"file://{tmp}/rendezvous")
+    try:
+        out: dict[str, Any] = {"info": (info.rank, info.world_size, info.local_rank, info.is_main, info.backend)}
+        out["mean"] = D.all_reduce_mean(torch.tensor(float(rank + 1)), rank + 1, info).item()  # (1+2)/(1+2)
+        out["sum"] = D.all_reduce_sum(torch.tensor([rank, 10.0]), info).tolist()
+        out["broadcast"] = D.broadcast_object(f"dir-of-rank-{rank}", info)
+        out["runs"] = {
+            (name, mode): _run_strategy(name, mode, info)
+            for name in strategies.available()
+            for mode in ("auto", "off")
+        }
+        D.barrier(info)
+        torch.save(out, Path(tmp) / f"rank{rank}.pt")
+    finally:
+        D.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("ddp")
+    torch.multiprocessing.spawn(_worker, args=(str(tmp),), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_see_the_collectives(ranks: list[dict[str, Any]]) -> None:
+    assert [r["info"] for r in ranks] == [(0, 2, 0, True, "gloo"), (1, 2, 1, False, "gloo")]
+    assert [r["mean"] for r in ranks] == [1.0, 1.0]
+    assert [r["sum"] for r in ranks] == [[1.0, 20.0]] * 2
+    assert [r["broadcast"] for r in ranks] == ["dir-of-rank-0"] * 2
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", strategies.available())
+def test_inf_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str) -> None:
+    r0, r1 = (r["runs"][(name, "auto")] for r in ranks)
+    for step in range(STEPS):
+        a, b = r0[step], r1[step]
+        assert a["scale"] == b["scale"], f"step {step}: scales differ {a['scale']} vs {b['scale']}"
+        assert a["telemetry"].keys() == b["telemetry"].keys()
+        for key in a["telemetry"]:
+            assert _same(a["telemetry"][key], b["telemetry"][key]), f"step {step}: telemetry {key!r} differs"
+        if step < SPIKE_STEP:  # the spike changes rank 1's update, so parameters part after it
+            assert torch.equal(a["params"], b["params"]), f"step {step}: parameters differ across ranks"
+            assert torch.equal(a["opt_state"], b["opt_state"]), f"step {step}: optimizer state differs"
+        expect_skip = step == INF_STEP
+        assert a["stepped"] is b["stepped"] is (not expect_skip), f"step {step}: stepped {a['stepped']}/{b['stepped']}"
+        if expect_skip:
+            assert a["opt_state_kept"] and b["opt_state_kept"]
+            assert a["telemetry"]["found_inf"].item() == 1.0
+            assert a["scale"] < r0[step - 1]["scale"], "a skipped step must back the scale off"
+    assert r0[-1]["telemetry"]["skipped_steps"].item() == 1
+    # the finite spike (x1000 on rank 1) is in the agreed abs-max: statistics were reduced, not local
+    spike, prev = r0[SPIKE_STEP]["telemetry"]["grad_absmax"], r0[SPIKE_STEP - 1]["telemetry"]["grad_absmax"]
+    assert spike.item() > 100 * prev.item()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", strategies.available())
+def test_without_all_reduce_the_ranks_disagree(ranks: list[dict[str, Any]], name: str) -> None:
+    """Control: distributed="off" -- rank 0 steps on the Inf step, rank 1 skips; they part."""
+    r0, r1 = (r["runs"][(name, "off")] for r in ranks)
+    assert torch.equal(r0[INF_STEP - 1]["params"], r1[INF_STEP - 1]["params"])  # DDP kept them equal so far
+    assert r0[INF_STEP]["stepped"] and not r1[INF_STEP]["stepped"]
+    assert not torch.equal(r0[INF_STEP]["params"], r1[INF_STEP]["params"])
+    assert r0[INF_STEP]["telemetry"]["skipped_steps"].item() == 0
+    assert r1[INF_STEP]["telemetry"]["skipped_steps"].item() == 1
