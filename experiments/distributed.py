@@ -16,8 +16,10 @@ Where the rank layout comes from, first match wins:
 3. Nothing set: a single process, ``world_size == 1``, no process group.
 
 Backend: ``nccl`` when the device is CUDA, ``gloo`` on CPU. Device: one GPU per local rank
-(``cuda:LOCAL_RANK``); with ``CUDA_VISIBLE_DEVICES`` restricted to one GPU (the one-GPU-per-job
-launch recipes in the README) that is ``cuda:0``, the only visible device.
+(``cuda:LOCAL_RANK``); with ``CUDA_VISIBLE_DEVICES`` restricted to one GPU (SLURM's
+``gpus_per_task=1``) that is ``cuda:0``, the only visible device. For several single-process jobs
+sharing a multi-GPU host (the joblib launcher, or several sweeps at once), ``device="cuda:free"``
+gives each job a GPU no other job holds, by an exclusive lock file per GPU (``claim_slot``).
 
 Loss-scaling consistency. Under DDP the gradients are averaged across ranks during
 ``backward()``, so a non-finite value produced in backward reaches every rank. What DDP does
@@ -33,12 +35,16 @@ with one collective and no host sync.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -62,11 +68,15 @@ __all__ = [
     "barrier",
     "main_only",
     "no_sync",
+    "claim_slot",
 ]
 
 T = TypeVar("T")
 
 DEVICES = ("auto", "cpu", "cuda")
+
+# The GPU this process holds under device="cuda:free": (index, open lock file), released by cleanup().
+_claimed: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,11 +133,71 @@ def _submitit_layout() -> tuple[int, int, int] | None:
     return job_env.global_rank, job_env.num_tasks, job_env.local_rank
 
 
-def _resolve_device(device: str, local_rank: int, world_size: int) -> torch.device:
-    """``auto`` -> CUDA if available else CPU; ``cuda`` -> ``cuda:local_rank`` (one GPU per rank)."""
+def claim_slot(names: list[str], lock_dir: str | Path, timeout_s: float, poll_s: float = 0.5) -> tuple[int, int]:
+    """Take an exclusive, host-wide claim on one of ``names``; return (its index, the lock's fd).
+
+    One lock file per name in ``lock_dir``, held with ``flock(LOCK_EX | LOCK_NB)``: the first
+    name nobody holds wins; if all are held, poll until one is released or ``timeout_s`` passes.
+    The kernel drops the lock when the fd is closed or the process dies (a crashed job frees its
+    GPU). Close the fd (``cleanup()`` does) to release it.
+
+    Raises:
+        TimeoutError: every name stayed claimed for ``timeout_s`` seconds.
+    """
+    if not names:
+        raise ValueError("names must list at least one slot to claim, got []")
+    lock_dir = Path(lock_dir)
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for index, name in enumerate(names):
+            fd = os.open(lock_dir / f"gpu-{name}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return index, fd
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"no free GPU among {len(names)} after {timeout_s:.0f} s: every one is claimed by another "
+                f"scalelab process (locks in {lock_dir}); run fewer jobs at once than GPUs"
+            )
+        time.sleep(poll_s)
+
+
+def _claim_free_gpu(timeout_s: float) -> int:
+    """Index (among the visible devices) of a GPU no other scalelab process on this host holds.
+
+    Locks are named after the physical device (the ``CUDA_VISIBLE_DEVICES`` entry, else the
+    index), so processes with different visibility masks still agree. Lock directory:
+    ``$SCALELAB_GPU_LOCK_DIR``, default ``<tmp>/scalelab-gpu-locks``. A process that already
+    holds a GPU keeps it (a joblib worker reused for its next job).
+    """
+    global _claimed
+    if _claimed is not None:
+        return _claimed[0]
+    count = torch.cuda.device_count()
+    mask = [m.strip() for m in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if m.strip()]
+    names = mask[:count] if len(mask) >= count else [str(i) for i in range(count)]
+    lock_dir = os.environ.get("SCALELAB_GPU_LOCK_DIR") or Path(tempfile.gettempdir()) / "scalelab-gpu-locks"
+    _claimed = claim_slot(names, lock_dir, timeout_s)
+    return _claimed[0]
+
+
+def _release_gpu() -> None:
+    global _claimed
+    if _claimed is not None:
+        os.close(_claimed[1])
+        _claimed = None
+
+
+def _resolve_device(device: str, local_rank: int, world_size: int, gpu_wait_s: float = 86400.0) -> torch.device:
+    """``auto`` -> CUDA if available else CPU; ``cuda`` -> ``cuda:local_rank`` (one GPU per rank);
+    ``cuda:N`` -> that GPU; ``cuda:free`` -> a GPU no other scalelab process on this host holds."""
     kind = device.split(":", 1)[0]
-    if kind not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)} (optionally cuda:N), got {device!r}")
+    if kind not in DEVICES or (kind != "cuda" and ":" in device):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, cuda:N or cuda:free, got {device!r}")
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":
@@ -141,7 +211,12 @@ def _resolve_device(device: str, local_rank: int, world_size: int) -> torch.devi
                 f"device={device!r} names one GPU, but world_size={world_size}: use device=cuda, "
                 "each rank then takes cuda:LOCAL_RANK"
             )
-        index = int(device.split(":", 1)[1])
+        which = device.split(":", 1)[1]
+        if which == "free":
+            return torch.device("cuda", _claim_free_gpu(gpu_wait_s))
+        if not which.isdigit():
+            raise ValueError(f"device must be cuda, cuda:N or cuda:free, got {device!r}")
+        index = int(which)
     else:
         index = local_rank
     if not 0 <= index < count:
@@ -158,16 +233,20 @@ def setup(
     backend: str | None = None,
     init_method: str | None = None,
     timeout_s: float = 1800.0,
+    gpu_wait_s: float = 86400.0,
 ) -> DistInfo:
     """Read the rank layout from the environment, pick the device, join the process group.
 
     Args:
         device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` (``cuda:LOCAL_RANK``),
-            or ``cuda:N`` (single process only).
+            ``cuda:N`` (single process only), or ``cuda:free`` (single process only): claim a
+            GPU that no other scalelab process on this host holds, waiting up to ``gpu_wait_s``
+            for one -- exclusive one-GPU-per-job with the joblib launcher or several sweeps.
         backend: process-group backend; default ``nccl`` on CUDA, ``gloo`` on CPU.
         init_method: rendezvous URL; default ``env://`` (MASTER_ADDR/MASTER_PORT, set by
             torchrun and by the submitit path). Tests pass ``file://...``.
         timeout_s: collective timeout.
+        gpu_wait_s: how long ``cuda:free`` waits for a GPU before ``TimeoutError``.
 
     Returns:
         A ``DistInfo``. With ``world_size == 1`` no process group is created, so strategies
@@ -192,7 +271,7 @@ def setup(
     if local_rank < 0:
         raise ValueError(f"LOCAL_RANK must be >= 0, got {local_rank}")
 
-    dev = _resolve_device(device, local_rank, world_size)
+    dev = _resolve_device(device, local_rank, world_size, gpu_wait_s)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
 
@@ -217,9 +296,11 @@ def setup(
 
 
 def cleanup() -> None:
-    """Leave the process group (no-op for a single process). Call once, at the end of the run."""
+    """Leave the process group and release a ``cuda:free`` GPU claim. Call once, at the end of
+    the run (also when it fails: ``try/finally``)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _release_gpu()
 
 
 def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs: Any) -> nn.Module:

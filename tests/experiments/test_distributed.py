@@ -72,7 +72,7 @@ def test_setup_rejects_inconsistent_env(monkeypatch: pytest.MonkeyPatch, env: di
 
 def test_setup_rejects_unknown_or_missing_device(monkeypatch: pytest.MonkeyPatch) -> None:
     _clear_env(monkeypatch)
-    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, cuda:N or cuda:free"):
         D.setup(device="tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
@@ -228,3 +228,20 @@ def test_without_all_reduce_the_ranks_disagree(ranks: list[dict[str, Any]], name
     assert not torch.equal(r0[INF_STEP]["params"], r1[INF_STEP]["params"])
     assert r0[INF_STEP]["telemetry"]["skipped_steps"].item() == 0
     assert r1[INF_STEP]["telemetry"]["skipped_steps"].item() == 1
+
+
+def test_claim_slot_hands_out_each_gpu_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:free's lock: two GPUs, three claimants -- the third waits and times out; a release frees one."""
+    a = D.claim_slot(["0", "1"], tmp_path, timeout_s=0)
+    b = D.claim_slot(["0", "1"], tmp_path, timeout_s=0)
+    assert (a[0], b[0]) == (0, 1)
+    with pytest.raises(TimeoutError, match="no free GPU among 2"):
+        D.claim_slot(["0", "1"], tmp_path, timeout_s=0.2, poll_s=0.05)
+    os.close(b[1])
+    c = D.claim_slot(["0", "1"], tmp_path, timeout_s=0)
+    assert c[0] == 1
+    for _, fd in (a, c):
+        os.close(fd)
+    _clear_env(monkeypatch)
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, cuda:N or cuda:free, got 'cpu:1'"):
+        D.setup(device="cpu:1")
