@@ -245,3 +245,27 @@ def test_claim_slot_hands_out_each_gpu_once(tmp_path: Path, monkeypatch: pytest.
     _clear_env(monkeypatch)
     with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, cuda:N or cuda:free, got 'cpu:1'"):
         D.setup(device="cpu:1")
+
+
+def _submitit_task() -> tuple[int, int, int, float]:
+    torch.set_num_threads(1)
+    info = D.setup(device="cpu")
+    try:
+        total = D.all_reduce_sum(torch.tensor(float(info.rank + 1)), info).item()
+        return info.rank, info.world_size, info.local_rank, total
+    finally:
+        D.cleanup()
+
+
+@pytest.mark.distributed
+def test_submitit_tasks_form_one_process_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A submitit job with tasks_per_node=2 (hydra/launcher=slurm with tasks_per_node=2 on a
+    cluster) becomes a 2-rank group without torchrun: setup() reads submitit's job environment."""
+    submitit = pytest.importorskip("submitit")
+    _clear_env(monkeypatch)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    executor = submitit.LocalExecutor(folder=tmp_path / "%j")
+    executor.update_parameters(tasks_per_node=2, timeout_min=5)
+    job = executor.submit(_submitit_task)
+    assert sorted(job.results()) == [(0, 2, 0, 3.0), (1, 2, 1, 3.0)]
