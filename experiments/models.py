@@ -1,0 +1,213 @@
+"""The three workloads' models: a character GPT, an MLP and a small CNN.
+
+Every model exposes ``boundaries``: the dotted names of the sub-modules whose *outputs* are the
+"layer boundaries" of the precision study. The training loop hooks them (``experiments/
+precision.py``) to quantise activation gradients (simulated fp8) and to measure, per layer, the
+fraction of the activation gradient that is zero or subnormal. Nothing in the models knows about
+precision or scaling.
+
+Stress knobs shared by all three: depth and width, and ``init_scale``, a factor applied to the
+standard initialisation of every weight matrix (``init_scale < 1`` shrinks activations and hence
+gradients, ``> 1`` grows them). The GPT follows karpathy/nanoGPT (pre-LayerNorm blocks, weight
+std 0.02, residual projections scaled by ``1/sqrt(2 n_layer)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "MLP", "CNN"]
+
+
+def _check(name: str, value: float, low: float, high: float | None = None) -> None:
+    """Raise ``ValueError`` naming ``name`` when ``value`` is outside ``[low, high]``."""
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"model.{name} must be {allowed}, got {value}")
+
+
+def _scale_init(model: nn.Module, init_scale: float) -> None:
+    """Multiply every weight matrix / kernel (dim >= 2) by ``init_scale`` in place."""
+    if init_scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.mul_(init_scale)
+
+
+class Embed(nn.Module):
+    """Token plus learned position embedding: ``x = E_tok[idx] + E_pos[0..T-1]``."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(pos)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (causal attention)."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.fc_out = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + F.dropout(self.proj(y), p, self.training)
+        x = x + F.dropout(self.fc_out(F.gelu(self.fc(self.ln2(x)))), p, self.training)
+        return x
+
+
+class GPT(nn.Module):
+    """A small GPT-style character language model (nanoGPT layout).
+
+    ``forward(idx)`` maps token ids ``[B, T]`` to logits ``[B, T, vocab_size]``; the loss is the
+    mean next-token cross-entropy (computed by the training loop). Boundaries: ``embed``, each
+    block ``blocks.i``, and ``head`` (the logits).
+    """
+
+    accepts = ("text",)
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        init_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        _check("vocab_size", vocab_size, 2)
+        _check("block_size", block_size, 1)
+        _check("n_layer", n_layer, 1)
+        _check("n_head", n_head, 1)
+        _check("n_embd", n_embd, 1)
+        _check("dropout", dropout, 0.0, 1.0)
+        _check("init_scale", init_scale, 1e-12)
+        if n_embd % n_head:
+            raise ValueError(f"model.n_embd must be divisible by model.n_head={n_head}, got {n_embd}")
+        self.block_size = block_size
+        self.embed = Embed(vocab_size, block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "fc_out.weight")):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+        _scale_init(self, init_scale)
+        self.boundaries = ["embed", *[f"blocks.{i}" for i in range(n_layer)], "head"]
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds model.block_size={self.block_size}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class MLP(nn.Module):
+    """``depth`` hidden layers of ``Linear -> activation`` and a linear classifier head.
+
+    Boundaries: each hidden layer's output ``layers.i`` and ``head``.
+    """
+
+    accepts = ("vectors", "images")
+
+    def __init__(
+        self,
+        in_features: int = 32,
+        num_classes: int = 10,
+        width: int = 128,
+        depth: int = 3,
+        activation: str = "relu",
+        init_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        _check("in_features", in_features, 1)
+        _check("num_classes", num_classes, 2)
+        _check("width", width, 1)
+        _check("depth", depth, 1)
+        _check("init_scale", init_scale, 1e-12)
+        acts = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
+        if activation not in acts:
+            raise ValueError(f"model.activation must be one of {', '.join(acts)}, got {activation!r}")
+        dims = [in_features] + [width] * depth
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), acts[activation]()) for a, b in zip(dims[:-1], dims[1:])
+        )
+        self.head = nn.Linear(width, num_classes)
+        _scale_init(self, init_scale)
+        self.boundaries = [f"layers.{i}" for i in range(depth)] + ["head"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class CNN(nn.Module):
+    """``depth`` blocks of ``Conv3x3 -> ReLU -> MaxPool2`` (channels ``width * 2**i``), global
+    average pooling and a linear head. Boundaries: ``convs.i`` and ``head``.
+    """
+
+    accepts = ("images",)
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        width: int = 16,
+        depth: int = 2,
+        init_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        _check("in_channels", in_channels, 1)
+        _check("num_classes", num_classes, 2)
+        _check("width", width, 1)
+        _check("depth", depth, 1)
+        _check("init_scale", init_scale, 1e-12)
+        chans = [in_channels] + [width * 2**i for i in range(depth)]
+        self.convs = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+            for a, b in zip(chans[:-1], chans[1:])
+        )
+        self.head = nn.Linear(chans[-1], num_classes)
+        _scale_init(self, init_scale)
+        self.boundaries = [f"convs.{i}" for i in range(depth)] + ["head"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = conv(x)
+        return self.head(x.mean(dim=(2, 3)))

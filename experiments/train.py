@@ -1,0 +1,95 @@
+"""``scalelab-train``: the Hydra app that trains one configuration and writes its run record.
+
+    scalelab-train strategy=max_ema precision=fp16 regime=small_grad seed=1
+    scalelab-train -m strategy=glob(*) seed=0,1,2             # a sweep (basic launcher)
+    python -m experiments.train logger=none train.steps=20    # same thing without the script
+
+Config tree: ``conf/config.yaml`` (groups ``model``, ``data``, ``precision``, ``strategy``,
+``regime``, ``logger``). Everything a run writes goes under ``${hydra:runtime.output_dir}``
+(``hydra.job.chdir=False``: the working directory is never changed). Re-running with the same
+``hydra.run.dir=...`` resumes from that directory's checkpoint.
+
+Before Hydra starts, :func:`main` checks the command-line overrides: a malformed override or an
+unknown choice for one of this project's config groups ends with one line naming the option and
+the allowed values, and exit code 2 (Hydra's own messages for these span several lines).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+__all__ = ["main", "check_overrides", "CONF_DIR", "GROUPS"]
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "data", "precision", "strategy", "regime", "logger")
+
+
+def group_options(group: str) -> list[str]:
+    """The option names of a config group: the ``*.yaml`` files in ``conf/<group>/``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_overrides(args: list[str]) -> str | None:
+    """Return a one-line error for the first bad override in ``args``, or ``None`` if all are fine.
+
+    Checks the override grammar (Hydra's parser) and, for this project's config groups, that each
+    chosen option exists (sweeps ``a,b`` and ``choice(...)`` are checked element-wise; ``glob``
+    and interpolations are left to Hydra).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    candidates = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]
+    parser = OverridesParser.create()
+    for arg in candidates:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException as exc:
+            detail = " ".join(str(exc).split("\n")[1:2]) or str(exc).split("\n")[0]
+            return f"malformed override {arg!r}: {detail.strip()} (see https://hydra.cc/docs/advanced/override_grammar/basic/)"
+        key = override.key_or_group.lstrip("+~")
+        if key not in GROUPS or override.is_delete():
+            continue
+        value = override.value()
+        if isinstance(value, ChoiceSweep):
+            chosen = list(value.list)
+        elif isinstance(value, list) and override.is_sweep_override():
+            chosen = value
+        elif isinstance(value, str):
+            chosen = [value]
+        else:
+            continue
+        allowed = group_options(key)
+        for choice in chosen:
+            if isinstance(choice, str) and choice not in allowed:
+                return f"unknown {key} {choice!r}; allowed values for {key}: {', '.join(allowed)}"
+    return None
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _app(cfg: DictConfig) -> float | None:
+    """Hydra task: train one configuration; the return value (final eval loss) serves sweepers."""
+    from experiments.loop import run
+
+    hc = HydraConfig.get()
+    summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+    return summary.get("final_eval_loss")
+
+
+def main() -> None:
+    """Console entry point (``scalelab-train``)."""
+    error = check_overrides(sys.argv[1:])
+    if error is not None:
+        print(f"scalelab-train: error: {error}", file=sys.stderr)
+        raise SystemExit(2)
+    _app()
+
+
+if __name__ == "__main__":
+    main()
