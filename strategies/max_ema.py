@@ -1,0 +1,196 @@
+"""``max_ema``: max-value scaling with EMA smoothing and growth/backoff limits.
+
+Rule (seed 003, section 3.1 "基于梯度最大值与目标上界的动态缩放 (Max Value Scaling)", with its
+defaults from section 4.6). Each :meth:`update`, with ``G`` the abs-max of the *unscaled*
+gradients of the step and ``S`` the current scale:
+
+* candidate ``c = target_max / G`` (target_max = 2^15 = 32768; 49152 = 0.75 * 65504 is the
+  seed's aggressive choice; never above ``format_max``, 65504 for fp16): the scale that would
+  put the largest scaled gradient at ``target_max``;
+* EMA ``e <- d * e + (1 - d) * c`` with ``d = ema_decay = 0.99``; the first fed step
+  initialises ``e <- c``;
+* limits: ``e > S * growth_factor``  -> ``S <- S * growth_factor`` (growth capped);
+  ``e < S / growth_factor`` -> ``S <- S * backoff_factor`` (a big drop backs off by one step);
+  otherwise ``S <- e``;
+* non-finite gradients: the step is skipped, ``S <- S * backoff_factor``, and the EMA is *not*
+  fed (the bad step's abs-max says nothing about a safe scale).
+
+Decisions this module makes where the seed is silent (documented, tested):
+
+* **All-zero gradients** (``G == 0``, or ``c`` not finite because ``G`` is tinier than
+  ``target_max / float32_max``): the candidate is +inf, which would poison the EMA forever. The
+  EMA is not fed. With ``zero_grads="grow"`` (default) the step is read as total underflow —
+  the case scaling exists for (under autocast, an fp16 activation gradient that flushes to zero
+  makes every parameter gradient below it exactly zero) — and S grows by ``growth_factor``
+  (the capped branch). ``zero_grads="keep"`` keeps S instead ("no information").
+* **growth_interval** (default 1 = the rule acts every step, the seed's "逐批更新 + EMA"):
+  the growth tracker counts consecutive finite steps (saturating at ``growth_interval``);
+  an *upward* move is allowed only once it reaches ``growth_interval``, so after a skipped step
+  S does not climb again for ``growth_interval`` steps (seed 4.6: growth_interval "limits how
+  fast S recovers after a skipped step"). Downward moves are never delayed.
+* **round_pow2** rounds every new S down to a power of two (exact scaling; ``layerwise``
+  relies on it).
+* A new scale that is not finite or not > 0 is rejected (S kept), as torch rejects a
+  non-finite grown scale.
+
+Known weakness, kept visible: one outlier gradient makes ``c`` collapse for a step and drags
+``e`` (and through the ``e < S / growth_factor`` branch, S) down; ``telemetry()`` exposes
+``candidate``, ``ema`` and ``grad_absmax`` so the outlier and its effect can be seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from strategies import validation as v
+from strategies.base import Strategy
+from strategies.registry import register_strategy
+from strategies.stats import GradStats
+
+FP16_MAX = 65504.0
+ZERO_GRADS_MODES = ("grow", "keep")
+
+
+def round_down_pow2(x: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= ``x`` (elementwise, exact: via ``frexp``, x = m * 2^e, m in [0.5, 1)).
+
+    Non-positive and non-finite inputs are returned unchanged."""
+    _, e = torch.frexp(x)
+    p = torch.ldexp(torch.full_like(x, 0.5), e)
+    return torch.where(torch.isfinite(x) & (x > 0), p, x)
+
+
+def max_ema_update_(
+    scale: torch.Tensor,
+    ema: torch.Tensor,
+    ema_steps: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    candidate: torch.Tensor,
+    found_inf: torch.Tensor,
+    grad_absmax: torch.Tensor,
+    target_max: float,
+    ema_decay: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    round_pow2: bool,
+    grow_on_zero: bool,
+) -> None:
+    """The max-EMA rule, in place on the device (no host sync); elementwise, so every tensor
+    may be a scalar ``[]`` or a per-group vector ``[G]`` (``layerwise`` uses the latter).
+
+    Args:
+        scale: float32, the scale S; updated.
+        ema: float32, the EMA e of the candidate; updated when fed.
+        ema_steps: int32, how many steps fed the EMA (0: not initialised); updated.
+        growth_tracker: int32, consecutive finite steps, saturating at ``growth_interval``.
+        candidate: float32, written with ``target_max / grad_absmax`` of this step (telemetry).
+        found_inf: float32, > 0 where the step's gradients were non-finite.
+        grad_absmax: float32, abs-max of the unscaled gradients.
+        other arguments: the rule's hyper-parameters (see the module docstring).
+    """
+    found = found_inf > 0
+    cand = (target_max / grad_absmax).to(torch.float32)
+    candidate.copy_(cand)
+    fed = ~found & torch.isfinite(cand) & (grad_absmax > 0)
+    started = ema_steps > 0
+    e_fed = torch.where(started, ema * ema_decay + cand * (1.0 - ema_decay), cand).to(torch.float32)
+    e = torch.where(fed, e_fed, ema)
+
+    t = torch.where(found, torch.zeros_like(growth_tracker),
+                    torch.clamp(growth_tracker + 1, max=growth_interval))
+    may_grow = t >= growth_interval
+
+    up = (scale * growth_factor).to(torch.float32)
+    down = (scale * backoff_factor).to(torch.float32)
+    by_ema = torch.where(e > up, up, torch.where(e < scale / growth_factor, down, e))
+    no_info = up if grow_on_zero else scale
+    new = torch.where(found, down, torch.where(fed, by_ema, no_info))
+    new = torch.where(~found & ~may_grow, torch.minimum(new, scale), new)
+    if round_pow2:
+        new = round_down_pow2(new)
+    new = torch.where(torch.isfinite(new) & (new > 0), new, scale)
+
+    scale.copy_(new)
+    ema.copy_(e)
+    ema_steps.add_(fed.to(ema_steps.dtype))
+    growth_tracker.copy_(t)
+
+
+@register_strategy("max_ema")
+class MaxEmaStrategy(Strategy):
+    """Max-value scaling: S follows an EMA of ``target_max / absmax(grads)``, growth capped at
+    ``x growth_factor`` per update, big drops backed off by ``x backoff_factor``, non-finite
+    steps skipped and backed off (seed 003, section 3.1; full rule in the module docstring).
+
+    Args:
+        init_scale: initial S (default 2^15, the seed's starting value for max-value scaling).
+        growth_interval: finite steps required after an overflow before S may grow again
+            (default 1: every step).
+        target_max: where the largest scaled gradient should land (default 32768, > 0,
+            <= format_max).
+        format_max: largest finite value of the gradient format (default 65504, fp16).
+        ema_decay: d in [0, 1) (default 0.99; 0 = no smoothing).
+        round_pow2: round S down to a power of two after every update (default False).
+        zero_grads: ``"grow"`` (default) or ``"keep"``: what an all-zero gradient step does.
+        other arguments: see :class:`strategies.base.Strategy`.
+    """
+
+    needs_stats = True
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**15,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1,
+        enabled: bool = True,
+        *,
+        target_max: float = 32768.0,
+        format_max: float = FP16_MAX,
+        ema_decay: float = 0.99,
+        round_pow2: bool = False,
+        zero_grads: str = "grow",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
+        self._format_max = v.finite_positive("format_max", format_max)
+        self._target_max = v.finite_positive("target_max", target_max)
+        if self._target_max > self._format_max:
+            v.fail("target_max", f"<= format_max ({self._format_max:g})", target_max)
+        self._ema_decay = v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0)
+        if not isinstance(round_pow2, bool):
+            v.fail("round_pow2", "a bool", round_pow2)
+        self._round_pow2 = round_pow2
+        self._zero_grads = v.one_of("zero_grads", zero_grads, ZERO_GRADS_MODES)
+
+    def _init_extra_state(self, device: torch.device) -> None:
+        self._ema = torch.zeros((), dtype=torch.float32, device=device)
+        self._ema_steps = torch.zeros((), dtype=torch.int32, device=device)
+        self._candidate = torch.full((), float("nan"), dtype=torch.float32, device=device)
+
+    def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        assert self._scale is not None and self._growth_tracker is not None and stats is not None
+        max_ema_update_(
+            self._scale, self._ema, self._ema_steps, self._growth_tracker, self._candidate,
+            found_inf, stats.absmax.amax(),
+            self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
+            self._growth_interval, self._round_pow2, self._zero_grads == "grow",
+        )
+
+    def _extra_state_dict(self) -> dict[str, Any]:
+        return {"ema": float(self._ema.item()), "ema_steps": int(self._ema_steps.item())}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if "ema" in state:
+            self._ema.fill_(float(state["ema"]))
+            self._ema_steps.fill_(int(state.get("ema_steps", 1)))
+
+    def _extra_telemetry(self) -> dict[str, torch.Tensor]:
+        return {
+            "ema": self._ema.clone(),
+            "ema_steps": self._ema_steps.clone(),
+            "candidate": self._candidate.clone(),
+        }
