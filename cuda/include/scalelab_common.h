@@ -1,0 +1,106 @@
+// scalelab_common.h — portability macros and bit-level float helpers shared by the CUDA kernels
+// (compiled by nvcc) and the CPU twin (compiled by the host C++ compiler). No torch headers.
+//
+// Everything here is a pure function of its scalar arguments, so the CPU twin and the CUDA
+// kernels classify and round every element identically.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define SCALELAB_HD __host__ __device__ __forceinline__
+#else
+#define SCALELAB_HD inline
+#endif
+
+namespace scalelab {
+
+// Bit patterns (IEEE-754 binary32) used by the statistics pass.
+constexpr uint32_t kAbsMask = 0x7fffffffu;
+constexpr uint32_t kExpMask = 0x7f800000u;  // |x| >= this  <=>  x is +-Inf or NaN
+// 2^-14, the smallest positive normal float16: nonzero |x| below it is "subnormal" for the
+// statistics contract (docs/strategy-api.md), whatever the gradient's own dtype.
+constexpr uint32_t kFp16MinNormalBits = 0x38800000u;
+
+SCALELAB_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+SCALELAB_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+// True for +-Inf and NaN. Bit test, so it survives -ffast-math style flags.
+SCALELAB_HD bool is_nonfinite(float x) { return (float_bits(x) & kAbsMask) >= kExpMask; }
+SCALELAB_HD bool is_finite(float x) { return !is_nonfinite(x); }
+SCALELAB_HD bool is_nan(float x) { return (float_bits(x) & kAbsMask) > kExpMask; }
+
+// Counted on the value as it arrived: exactly +-0.
+SCALELAB_HD uint32_t is_zero_bits(uint32_t abs_bits) { return abs_bits == 0u; }
+// Nonzero with |x| < 2^-14: (abs_bits - 1) wraps to 0xffffffff for zero, so one compare.
+SCALELAB_HD uint32_t is_tiny_bits(uint32_t abs_bits) {
+  return (abs_bits - 1u) < (kFp16MinNormalBits - 1u);
+}
+
+// bfloat16 <-> float, round to nearest even, NaN -> canonical quiet NaN (as c10::BFloat16).
+SCALELAB_HD float bf16_bits_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+SCALELAB_HD uint16_t float_to_bf16_bits(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & kAbsMask) > kExpMask) return static_cast<uint16_t>(0x7fc0u);
+  const uint32_t rounding_bias = 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>((u + rounding_bias) >> 16);
+}
+
+// float16 <-> float in software (round to nearest even), used by the CPU twin's scalar tail and
+// where F16C is unavailable. Same algorithm as c10's fp16_ieee_{to,from}_fp32_value.
+SCALELAB_HD float fp16_bits_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const uint32_t exp_offset = 0xE0u << 23;
+  const float exp_scale = bits_float(0x7800000u);  // 2^-112
+  const float normalized = bits_float((two_w >> 4) + exp_offset) * exp_scale;
+  const uint32_t magic_mask = 126u << 23;
+  const float magic_bias = 0.5f;
+  const float denormalized = bits_float((two_w >> 17) | magic_mask) - magic_bias;
+  const uint32_t denormalized_cutoff = 1u << 27;
+  const uint32_t result =
+      sign | (two_w < denormalized_cutoff ? float_bits(denormalized) : float_bits(normalized));
+  return bits_float(result);
+}
+
+SCALELAB_HD uint16_t float_to_fp16_bits(float f) {
+  const float scale_to_inf = bits_float(0x77800000u);   // 2^112
+  const float scale_to_zero = bits_float(0x08800000u);  // 2^-110
+  const uint32_t w = float_bits(f);
+  const float abs_f = bits_float(w & kAbsMask);
+  float base = (abs_f * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// Gradient element types the kernels accept (the dtype code passed across the C ABI).
+enum DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+}  // namespace scalelab

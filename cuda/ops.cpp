@@ -1,0 +1,19 @@
+// Operator schemas of the scalelab extension: torch.ops.scalelab.*.
+//
+// The CPU twin (cuda/cpu/*.cpp) registers the CPU implementations; cuda/cuda_shim.cpp registers
+// the CUDA ones when the extension is built against a CUDA-enabled torch. The plain-torch
+// references (strategies/stats.py, the strategies' update functions) are the oracles in tests.
+#include <torch/library.h>
+
+TORCH_LIBRARY(scalelab, m) {
+  // Unscale every gradient in place by its group's inverse scale and return per-group
+  // (found_inf f32, absmax f32, sumsq f32, zeros i64, subnormals i64, numel i64).
+  // group_index: one group per gradient, or [] for "all in group 0".
+  m.def(
+      "unscale_and_stats(Tensor(a!)[] grads, Tensor inv_scale, int[] group_index, int num_groups) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // native: backoff/growth with hysteresis (scalelab_rules.h native_update), state in place.
+  m.def(
+      "native_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
+      "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, int hysteresis) -> ()");
+}

@@ -1,0 +1,192 @@
+"""The one binding module between ``strategies`` and the ``cuda/`` extension (``torch.ops.scalelab``).
+
+On first use it builds the extension from the sources in ``cuda/`` with
+``torch.utils.cpp_extension.load`` (CPU twin always; the ``.cu`` kernels and their CUDA shim too
+when torch has CUDA and ``nvcc`` is found), into a stable per-machine-class build directory, and
+loads it. Later processes reuse the build (torch's file lock makes concurrent first builds, e.g.
+under pytest-xdist, safe). When no compiler is available or the build fails, every entry point
+returns ``None`` and callers use their plain-torch path; a one-time ``RuntimeWarning`` says why.
+
+Environment:
+
+* ``SCALELAB_KERNELS=0`` — never build or load; always the plain-torch path.
+* ``SCALELAB_EXT_DIR`` — build directory (default ``~/.cache/scalelab/ext/<torch>-<device>-<isa>``).
+* ``SCALELAB_CUDA_SRC`` — the ``cuda/`` source folder, for installs where it is not beside
+  this package (an editable install finds it at ``<repo>/cuda``).
+* ``SCALELAB_KERNELS_VERBOSE=1`` — show the compiler output.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "available",
+    "build_directory",
+    "load",
+    "source_dir",
+    "unavailable_reason",
+    "unscale_and_stats",
+]
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_reason: str = ""
+
+_X86_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def source_dir() -> Path:
+    """The ``cuda/`` source folder the extension is built from."""
+    env = os.environ.get("SCALELAB_CUDA_SRC")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "cuda"
+
+
+def _isa() -> str:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic"
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _X86_FLAGS else "generic"
+
+
+def _use_cuda() -> bool:
+    from torch.utils import cpp_extension
+
+    return torch.version.cuda is not None and torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+
+
+def build_directory() -> Path:
+    """Stable build folder, one per (torch version, CUDA or not, CPU instruction set, Python)."""
+    env = os.environ.get("SCALELAB_EXT_DIR")
+    if env:
+        return Path(env)
+    dev = f"cu{torch.version.cuda.replace('.', '')}" if _use_cuda() else "cpu"
+    tag = f"torch{torch.__version__.split('+')[0]}-{dev}-{_isa().lower()}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path.home() / ".cache" / "scalelab" / "ext" / tag
+
+
+def _sources(with_cuda: bool) -> list[str]:
+    src = source_dir()
+    files = [src / "ops.cpp", *sorted((src / "cpu").glob("*.cpp"))]
+    if with_cuda:
+        files += [src / "cuda_shim.cpp", *sorted((src / "kernels").glob("*.cu"))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"scalelab extension sources not found: {missing} (set SCALELAB_CUDA_SRC)")
+    return [str(f) for f in files]
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    with_cuda = _use_cuda()
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cflags = ["-O3", "-ffp-contract=off", "-fopenmp", *_X86_FLAGS.get(_isa(), [])]
+    if with_cuda:
+        cflags.append("-DSCALELAB_WITH_CUDA")
+    verbose = os.environ.get("SCALELAB_KERNELS_VERBOSE") == "1"
+    if not (build_dir / "scalelab_ops.so").exists():
+        print(f"scalelab: building the kernel extension in {build_dir} (once, about a minute)", file=sys.stderr)
+    cpp_extension.load(
+        name="scalelab_ops",
+        sources=_sources(with_cuda),
+        extra_cflags=cflags,
+        extra_cuda_cflags=["-O3", "--fmad=false", "-DSCALELAB_WITH_CUDA"],
+        extra_include_paths=[str(source_dir() / "include")],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+def load() -> bool:
+    """Build (first time) and load the extension; ``True`` when ``torch.ops.scalelab`` is usable."""
+    global _loaded, _reason
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if os.environ.get("SCALELAB_KERNELS", "1") == "0":
+            _loaded, _reason = False, "disabled by SCALELAB_KERNELS=0"
+            return False
+        try:
+            _build()
+            _loaded = hasattr(torch.ops.scalelab, "unscale_and_stats")
+            if not _loaded:
+                _reason = "the built library registered no scalelab ops"
+        except Exception as exc:  # no compiler, failed build, missing sources: fall back
+            _loaded = False
+            _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        if not _loaded:
+            warnings.warn(
+                f"scalelab: fused kernels unavailable ({_reason}); using the plain-torch path",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return _loaded
+
+
+def available() -> bool:
+    """Whether the compiled ops can be used (builds/loads on first call)."""
+    return load()
+
+
+def unavailable_reason() -> str:
+    """Why :func:`load` fell back (empty while loaded or not yet tried)."""
+    return _reason
+
+
+_STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def unscale_and_stats(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    group_index: Sequence[int] | None,
+    num_groups: int,
+) -> tuple[torch.Tensor, ...] | None:
+    """``torch.ops.scalelab.unscale_and_stats`` when it applies, else ``None`` (use the reference).
+
+    Returns ``(found_inf, absmax, sumsq, zeros, subnormals, numel)``, each of shape ``[num_groups]``
+    on ``inv_scale``'s device. It applies when the extension is loaded, every gradient is
+    float32/float16/bfloat16 on ``inv_scale``'s device, and that device has an implementation
+    (CPU always; CUDA when built with CUDA).
+    """
+    if not load():
+        return None
+    dev = inv_scale.device
+    if dev.type not in ("cpu", "cuda") or inv_scale.dtype != torch.float32:
+        return None
+    if dev.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "scalelab::unscale_and_stats", "CUDA"
+    ):
+        return None
+    for g in grads:
+        if g.device != dev or g.dtype not in _STATS_DTYPES:
+            return None
+    gi = [] if group_index is None else [int(i) for i in group_index]
+    if gi and len(gi) != len(grads):
+        raise ValueError(f"group_index must have one entry per gradient ({len(grads)}), got {len(gi)}")
+    if gi and not all(0 <= i < num_groups for i in gi):
+        bad = next(i for i in gi if not 0 <= i < num_groups)
+        raise ValueError(f"group_index entries must be in [0, {num_groups}), got {bad}")
+    if inv_scale.numel() not in (1, num_groups):
+        raise ValueError(f"inv_scale must have 1 or {num_groups} elements, got {inv_scale.numel()}")
+    with torch.no_grad():
+        return tuple(torch.ops.scalelab.unscale_and_stats(list(grads), inv_scale, gi, int(num_groups)))

@@ -1,0 +1,24 @@
+"""Shared fixtures of the kernel tests: one extension build per session (and per xdist worker,
+each loading the same cached build under torch's file lock)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from strategies import kernels
+
+
+def _compiler_present() -> bool:
+    return any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+@pytest.fixture(scope="session")
+def ops() -> object:
+    """``torch.ops.scalelab``, built from ``cuda/`` (skip only when no C++ compiler exists)."""
+    if not _compiler_present():
+        pytest.skip("no C++ compiler: the extension cannot be built (plain-torch fallback)")
+    assert kernels.load(), f"extension build failed: {kernels.unavailable_reason()}"
+    return torch.ops.scalelab

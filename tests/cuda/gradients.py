@@ -1,0 +1,74 @@
+"""Random gradient lists with the values that matter to the statistics pass."""
+
+from __future__ import annotations
+
+import torch
+
+SPECIALS = {
+    "nan": float("nan"),
+    "inf": float("inf"),
+    "-inf": float("-inf"),
+    "zero": 0.0,
+    "-zero": -0.0,
+    "fp16_min_normal": 2.0**-14,  # not subnormal
+    "below_min_normal": 2.0**-14 * (1 - 2.0**-11),  # just below: subnormal (fp16 rounds it to 2^-14 -> not)
+    "fp16_min_sub": 2.0**-24,
+    "fp32_sub": 1e-40,
+    "big": 6e4,
+    "huge": 3e38,
+}
+
+
+def make_grad(
+    n: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    specials: tuple[str, ...] = (),
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """``n`` log-uniform magnitudes over [2^-30, 2^8] with random signs, a few specials
+    sprinkled in, stored as ``dtype``; ``layout`` 'transposed' / 'strided' gives a
+    non-contiguous view of the same values."""
+    mag = torch.exp2(torch.empty(n).uniform_(-30, 8, generator=gen))
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    x = mag * sign
+    if n:
+        zeros = torch.rand(n, generator=gen) < 0.05
+        x[zeros] = 0.0
+        for name in specials:
+            idx = torch.randint(0, n, (max(1, n // 500),), generator=gen)
+            x[idx] = SPECIALS[name]
+    x = x.to(dtype)
+    if layout == "contiguous":
+        return x
+    if layout == "column_major" and n % 3 == 0 and n:
+        return x.reshape(n // 3, 3).t().contiguous().t()  # dense but not contiguous
+    if layout == "strided":
+        base = torch.zeros(2 * n, dtype=dtype)
+        base[::2] = x
+        return base[::2]
+    return x
+
+
+def make_grads(
+    sizes: list[int],
+    dtype: torch.dtype,
+    seed: int,
+    specials: tuple[str, ...] = (),
+    layouts: tuple[str, ...] = ("contiguous",),
+) -> list[torch.Tensor]:
+    """A gradient list; the same arguments give an identical, independent list (same layouts)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [make_grad(n, dtype, gen, specials, layouts[k % len(layouts)]) for k, n in enumerate(sizes)]
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit-identical values; NaNs must sit at the same positions (payloads may differ)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    na, nb = torch.isnan(a), torch.isnan(b)
+    assert torch.equal(na, nb), "NaN positions differ"
+    ia = a.contiguous().view(torch.int32 if a.element_size() == 4 else torch.int16)
+    ib = b.contiguous().view(torch.int32 if b.element_size() == 4 else torch.int16)
+    keep = ~na.contiguous()
+    diff = (ia != ib) & keep
+    assert not diff.any(), f"{int(diff.sum())} elements differ, first at {int(diff.nonzero()[0])}"
