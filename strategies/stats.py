@@ -25,6 +25,8 @@ from typing import Sequence
 
 import torch
 
+from strategies import kernels
+
 FP16_MIN_NORMAL = 2.0**-14
 """Smallest positive normal float16; below it values are subnormal (precision loss) or zero."""
 
@@ -144,7 +146,12 @@ def unscale_and_stats(
 
     ``inv_scale`` is a float32 tensor of shape ``[]`` or ``[num_groups]`` on the gradients'
     device; ``group_index[i]`` is the group of ``grads[i]`` (all in group 0 when omitted).
+    Runs the fused kernel (``torch.ops.scalelab.unscale_and_stats``) when it is built and applies
+    to these gradients, else :func:`unscale_and_stats_reference`.
     """
+    fused = kernels.unscale_and_stats(grads, inv_scale, group_index, num_groups)
+    if fused is not None:
+        return GradStats(*fused)
     return unscale_and_stats_reference(grads, inv_scale, group_index, num_groups)
 
 
