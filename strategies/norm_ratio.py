@@ -44,7 +44,8 @@ raw r) and ``norm_ratio_ema`` (r_bar).
 P: the ``params`` given to :meth:`set_reference` (tensors, or ``(name, tensor)`` pairs such as
 ``model.named_parameters()``), else the parameters of the model given to :meth:`attach`, else
 those of the first optimizer unscaled in the probe step; restricted by ``probe_layers`` (fnmatch
-patterns over parameter or module names, e.g. ``["encoder.0.*", "head"]``) to cut the cost. With
+patterns over parameter or module names, e.g. ``["encoder.0.*", "head"]``) to cut the cost
+(unnamed tensors are named through the attached model). With
 gradient accumulation the closure must return the loss of everything accumulated.
 """
 
@@ -219,6 +220,9 @@ class NormRatioStrategy(Strategy):
         if named is None:
             named = [(None, p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if self._probe_layers is not None:
+            if any(n is None for n, _ in named) and self._model_params is not None:
+                by_id = {id(p): n for n, p in self._model_params}
+                named = [(n if n is not None else by_id.get(id(p)), p) for n, p in named]
             if any(n is None for n, _ in named):
                 raise ValueError("probe_layers needs named parameters: pass params=model.named_parameters() "
                                  "to set_reference or call attach(model)")
