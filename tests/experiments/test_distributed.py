@@ -28,6 +28,22 @@ WORLD = 2
 STEPS = 6
 INF_STEP = 2  # rank 1's gradient gets an Inf after backward
 SPIKE_STEP = 5  # rank 1's gradient gets a finite x1000 spike (last step: parameters diverge after it)
+# Strategy-specific keywords: norm_ratio probes its fp32 reference on every step here (default 50),
+# so the reference path runs under DDP on the Inf and spike steps too.
+EXTRA_KWARGS: dict[str, dict[str, Any]] = {"norm_ratio": {"probe_interval": 1}}
+# Known gaps, reported to the strategies' owner; strict, so the test flags the fix (XPASS fails).
+NOT_YET_SYNCED = {
+    "norm_ratio": "norm_ratio's probe norms (fp32 reference sum of squares from the rank's own batch, "
+    "and the mixed-precision one) are not all-reduced, so ranks compute different ratios and, on a "
+    "rank-local spike, different scales",
+}
+
+
+def _registry_params() -> list[Any]:
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET_SYNCED[n])) if n in NOT_YET_SYNCED else n
+        for n in strategies.available()
+    ]
 
 
 # ----------------------------------------------------------------------------- single process
@@ -116,7 +132,9 @@ def _run_strategy(name: str, mode: str, info: D.DistInfo) -> list[dict[str, Any]
     model = MLP(in_features=8, num_classes=4, width=16, depth=2)
     ddp = D.wrap_model(model, info)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    strat = strategies.create(name, init_scale=2.0**10, growth_interval=1, distributed=mode)
+    strat = strategies.create(
+        name, init_scale=2.0**10, growth_interval=1, distributed=mode, **EXTRA_KWARGS.get(name, {})
+    )
     strat.attach(model)
     gen = D.rank_generator(1, info)  # a different batch on each rank
     batch: dict[str, torch.Tensor] = {}
@@ -194,7 +212,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", strategies.available())
+@pytest.mark.parametrize("name", _registry_params())
 def test_inf_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str) -> None:
     r0, r1 = (r["runs"][(name, "auto")] for r in ranks)
     for step in range(STEPS):
@@ -202,6 +220,8 @@ def test_inf_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], nam
         assert a["scale"] == b["scale"], f"step {step}: scales differ {a['scale']} vs {b['scale']}"
         assert a["telemetry"].keys() == b["telemetry"].keys()
         for key in a["telemetry"]:
+            if key.endswith("_time_s"):  # wall-clock timings are per process
+                continue
             assert _same(a["telemetry"][key], b["telemetry"][key]), f"step {step}: telemetry {key!r} differs"
         if step < SPIKE_STEP:  # the spike changes rank 1's update, so parameters part after it
             assert torch.equal(a["params"], b["params"]), f"step {step}: parameters differ across ranks"
