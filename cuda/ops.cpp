@@ -16,4 +16,15 @@ TORCH_LIBRARY(scalelab, m) {
   m.def(
       "native_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, int hysteresis) -> ()");
+  // max_ema (and layerwise, per group): state tensors [G]; found_inf / grad_absmax [G] or [1].
+  m.def(
+      "max_ema_update_(Tensor(a!) scale, Tensor(b!) ema, Tensor(c!) ema_steps, Tensor(d!) growth_tracker, "
+      "Tensor(e!) candidate, Tensor found_inf, Tensor grad_absmax, float target_max, float ema_decay, "
+      "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero) -> ()");
+  // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (scalelab_rules.h).
+  m.def(
+      "norm_ratio_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) log_ratio_ema, "
+      "Tensor(d!) ema_steps, Tensor(e!) last_ratio, Tensor found_inf, Tensor ref_sumsq, Tensor mp_sumsq, "
+      "bool probed, float growth_factor, float backoff_factor, int growth_interval, float threshold_high, "
+      "float threshold_low, float ema_decay) -> ()");
 }

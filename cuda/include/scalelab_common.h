@@ -100,6 +100,56 @@ SCALELAB_HD uint16_t float_to_fp16_bits(float f) {
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// Single-rounding float32 arithmetic that no compiler contracts into an FMA: the rules must
+// round exactly like torch's separate elementwise kernels (one rounding per op). On the host
+// the extension is compiled with -ffp-contract=off; on the device the _rn intrinsics are never
+// fused, whatever --fmad says.
+SCALELAB_HD float rn_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+SCALELAB_HD float rn_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+SCALELAB_HD float rn_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+SCALELAB_HD float rn_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+SCALELAB_HD float rn_sqrt(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return __builtin_sqrtf(a);
+#endif
+}
+// log2 of a float: the C library's log2f on the host (what torch's scalar CPU kernel calls);
+// CUDA's log2f (max 1 ulp) on the device, so device results may differ from the host in the
+// last bit of a logarithm.
+SCALELAB_HD float log2_f(float a) {
+#if defined(__CUDA_ARCH__)
+  return log2f(a);
+#else
+  return __builtin_log2f(a);
+#endif
+}
+
 // Gradient element types the kernels accept (the dtype code passed across the C ABI).
 enum DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 

@@ -62,5 +62,158 @@ SCALELAB_HD float clamp_scale(float s, float min_scale, float max_scale) {
   return s;
 }
 
+// torch.minimum: NaN if either operand is NaN.
+SCALELAB_HD float minimum_nan(float a, float b) {
+  if (is_nan(a) || is_nan(b)) return bits_float(0x7fc00000u);
+  return a < b ? a : b;
+}
+
+// strategies.max_ema.round_down_pow2: the largest power of two <= x for finite x > 0 (exact,
+// subnormals included), x unchanged otherwise. torch: frexp then ldexp(0.5, e).
+SCALELAB_HD float round_down_pow2(float x) {
+  if (!(is_finite(x) && x > 0.f)) return x;
+  const uint32_t u = float_bits(x);
+  if (u >= 0x00800000u) return bits_float(u & 0xff800000u);  // normal: drop the mantissa
+  uint32_t top = 0x00400000u;                                // subnormal: keep the highest bit
+  while (!(u & top)) top >>= 1;
+  return bits_float(top);
+}
+
+// ---------------------------------------------------------------------------------------------
+// max_ema: max-value scaling with EMA and growth/backoff limits (seed 003, section 3.1), exactly
+// strategies.max_ema.max_ema_update_ (one element; layerwise runs it once per group):
+//
+//   c = target_max / G   (torch: reciprocal(G) * target_max, two float32 roundings)
+//   fed = !found && c finite && G > 0;   e <- fed ? (steps > 0 ? d*e + (1-d)*c : c) : e
+//   t <- found ? 0 : min(t + 1, growth_interval);  may_grow = t >= growth_interval
+//   S' = found ? S*backoff : fed ? (e > S*growth ? S*growth : e < S/growth ? S*backoff : e)
+//                                : (grow_on_zero ? S*growth : S)
+//   if !found && !may_grow: S' = min(S', S);  if round_pow2: S' = round_down_pow2(S')
+//   S <- S' if finite and > 0, else S
+//
+// Every product is float32 times the float32-rounded Python factor, as torch computes
+// `tensor * python_float`; one_minus_decay is (1 - d) rounded from double, as Python does.
+// ---------------------------------------------------------------------------------------------
+struct MaxEmaParams {
+  float target_max;
+  float ema_decay;
+  float one_minus_decay;
+  float growth_factor;
+  float backoff_factor;
+  int32_t growth_interval;
+  bool round_pow2;
+  bool grow_on_zero;
+};
+
+// Host-side: the float32 factors exactly as torch rounds `tensor * python_float`.
+inline MaxEmaParams max_ema_params(double target_max, double ema_decay, double growth_factor, double backoff_factor,
+                                   int64_t growth_interval, bool round_pow2, bool grow_on_zero) {
+  return MaxEmaParams{static_cast<float>(target_max), static_cast<float>(ema_decay),
+                      static_cast<float>(1.0 - ema_decay), static_cast<float>(growth_factor),
+                      static_cast<float>(backoff_factor), static_cast<int32_t>(growth_interval), round_pow2,
+                      grow_on_zero};
+}
+
+SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, int32_t* growth_tracker,
+                                float* candidate, float found_inf, float grad_absmax, const MaxEmaParams& p) {
+  const bool found = found_inf > 0.f;
+  const float cand = rn_mul(rn_div(1.f, grad_absmax), p.target_max);
+  *candidate = cand;
+  const bool fed = !found && is_finite(cand) && grad_absmax > 0.f;
+  const float e_fed = *ema_steps > 0 ? rn_add(rn_mul(*ema, p.ema_decay), rn_mul(cand, p.one_minus_decay)) : cand;
+  const float e = fed ? e_fed : *ema;
+
+  int32_t t = *growth_tracker + 1;
+  if (t > p.growth_interval) t = p.growth_interval;
+  if (found) t = 0;
+  const bool may_grow = t >= p.growth_interval;
+
+  const float s = *scale;
+  const float up = rn_mul(s, p.growth_factor);
+  const float down = rn_mul(s, p.backoff_factor);
+  const float by_ema = e > up ? up : (e < rn_div(s, p.growth_factor) ? down : e);
+  const float no_info = p.grow_on_zero ? up : s;
+  float next = found ? down : (fed ? by_ema : no_info);
+  if (!found && !may_grow) next = minimum_nan(next, s);
+  if (p.round_pow2) next = round_down_pow2(next);
+  if (!(is_finite(next) && next > 0.f)) next = s;
+
+  *scale = next;
+  *ema = e;
+  *ema_steps += fed ? 1 : 0;
+  *growth_tracker = t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// norm_ratio: norm-ratio scaling (seed 003, section 3.2), exactly
+// strategies.norm_ratio.norm_ratio_update_. Off-probe steps: torch's rule (native_update, H = 1).
+// Probe steps, with r = sqrt(ref_sumsq) / sqrt(mp_sumsq):
+//
+//   valid = !found && both norms finite && (ref > 0 || mp > 0)
+//   l = clamp(nan_to_num(log2 ref - log2 mp), -16, 16)
+//   m <- valid ? (steps > 0 ? d*m + (1-d)*l : l) : m
+//   a = m > log2(th_high) ? growth : m < log2(th_low) ? backoff : 1
+//   valid && a != 1:  S <- S*a (kept if not finite or not > 0), t <- 0;   else torch's rule
+// ---------------------------------------------------------------------------------------------
+struct NormRatioParams {
+  double growth_factor;   // torch's rule (double arithmetic)
+  double backoff_factor;
+  int32_t growth_interval;
+  float growth_factor_f;  // the probe's factors, float32 as torch rounds them
+  float backoff_factor_f;
+  float log2_threshold_high;  // (float) math.log2(threshold_high)
+  float log2_threshold_low;
+  float ema_decay;
+  float one_minus_decay;
+  float log2_clamp;  // 16
+};
+
+inline NormRatioParams norm_ratio_params(double growth_factor, double backoff_factor, int64_t growth_interval,
+                                         double threshold_high, double threshold_low, double ema_decay) {
+  return NormRatioParams{growth_factor,
+                         backoff_factor,
+                         static_cast<int32_t>(growth_interval),
+                         static_cast<float>(growth_factor),
+                         static_cast<float>(backoff_factor),
+                         static_cast<float>(__builtin_log2(threshold_high)),
+                         static_cast<float>(__builtin_log2(threshold_low)),
+                         static_cast<float>(ema_decay),
+                         static_cast<float>(1.0 - ema_decay),
+                         16.0f};
+}
+
+SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float* log_ratio_ema, int32_t* ema_steps,
+                                   float* last_ratio, float found_inf, float ref_sumsq, float mp_sumsq, bool probed,
+                                   const NormRatioParams& p) {
+  float s_native = *scale;
+  int32_t t_native = *growth_tracker;
+  int32_t h = 1;
+  const NativeParams np{p.growth_factor, p.backoff_factor, p.growth_interval, 1};
+  native_update(&s_native, &t_native, &h, found_inf, np);
+  if (!probed) {
+    *scale = s_native;
+    *growth_tracker = t_native;
+    return;
+  }
+  const float ref = rn_sqrt(ref_sumsq), mp = rn_sqrt(mp_sumsq);
+  *last_ratio = rn_div(ref, mp);
+  const bool found = found_inf > 0.f;
+  const bool valid = !found && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
+  float l = rn_sub(log2_f(ref), log2_f(mp));
+  if (is_nan(l)) l = 0.f;
+  l = l < -p.log2_clamp ? -p.log2_clamp : (l > p.log2_clamp ? p.log2_clamp : l);
+  const float m_fed = *ema_steps > 0 ? rn_add(rn_mul(*log_ratio_ema, p.ema_decay), rn_mul(l, p.one_minus_decay)) : l;
+  const float m = valid ? m_fed : *log_ratio_ema;
+  const float a = m > p.log2_threshold_high ? p.growth_factor_f
+                                            : (m < p.log2_threshold_low ? p.backoff_factor_f : 1.f);
+  const bool acted = valid && a != 1.f;
+  float moved = rn_mul(*scale, a);
+  if (!(is_finite(moved) && moved > 0.f)) moved = *scale;
+  *scale = acted ? moved : s_native;
+  *growth_tracker = acted ? 0 : t_native;
+  *log_ratio_ema = m;
+  *ema_steps += valid ? 1 : 0;
+}
+
 }  // namespace rules
 }  // namespace scalelab

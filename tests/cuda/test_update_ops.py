@@ -1,0 +1,138 @@
+"""Each update op (CPU twin of the CUDA update kernels, sharing cuda/include/scalelab_rules.h)
+equals its strategy's pure-torch update function, bit for bit, over long random trajectories."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from strategies.max_ema import max_ema_update_
+from strategies.native import backoff_growth_hysteresis_
+from strategies.norm_ratio import norm_ratio_update_
+
+STEPS = 400
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def assert_states_equal(step: int, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert bits_equal(g, w), f"step {step}, state {k}: op {g.tolist()} != reference {w.tolist()}"
+
+
+def random_absmax(gen: torch.Generator, n: int) -> torch.Tensor:
+    """Log-uniform magnitudes over 2^-40..2^40 with some 0, +inf and NaN (the pass's outputs)."""
+    x = torch.exp2(torch.empty(n).uniform_(-40, 40, generator=gen))
+    u = torch.rand(n, generator=gen)
+    x[u < 0.05] = 0.0
+    x[(u >= 0.05) & (u < 0.08)] = float("inf")
+    x[(u >= 0.08) & (u < 0.10)] = float("nan")
+    return x
+
+
+# Non-power-of-two factors only against torch's kernel (H == 1): strategies.native's hysteresis
+# path multiplies in float32 (`scale * factor`), torch's kernel in double, so for H > 1 the two
+# agree bit for bit only where the product is exact (powers of two); the op follows torch.
+NATIVE_CASES = [
+    (h, f, i, p)
+    for h, f, i, p in itertools.product([1, 2, 4], [(2.0, 0.5), (1.1, 0.9), (1.5, 0.3), (4.0, 0.25)], [1, 3], [0.05, 0.5])
+    if h == 1 or (f[0] in (2.0, 4.0))
+]
+
+
+@pytest.mark.parametrize("hysteresis,factors,interval,p_inf", NATIVE_CASES)
+def test_native_update_matches_reference(ops, hysteresis, factors, interval, p_inf):
+    growth, backoff = factors
+    gen = torch.Generator().manual_seed(hysteresis * 100 + interval)
+    state = (torch.tensor(2.0**120), torch.tensor(0, dtype=torch.int32), torch.tensor(hysteresis, dtype=torch.int32))
+    ref = tuple(t.clone() for t in state)
+    flags = (torch.rand(STEPS, generator=gen) < p_inf).float()
+    for i in range(STEPS):
+        f = flags[i].reshape(())
+        ops.native_update_(*state, f, growth, backoff, interval, hysteresis)
+        if hysteresis == 1:  # torch's own kernel is the reference
+            torch._amp_update_scale_(ref[0], ref[1], f, growth, backoff, interval)
+            ref[2].fill_(1)
+        else:
+            backoff_growth_hysteresis_(*ref, f, growth, backoff, interval, hysteresis)
+        if hysteresis == 1:
+            state[2].fill_(1)
+        assert_states_equal(i, state, ref)
+
+
+def test_native_update_rejects_non_finite_growth(ops):
+    s, t, h = torch.tensor(2.0**127), torch.tensor(0, dtype=torch.int32), torch.tensor(1, dtype=torch.int32)
+    ops.native_update_(s, t, h, torch.tensor(0.0), 2.0, 0.5, 1, 1)
+    assert s.item() == 2.0**127 and t.item() == 0
+
+
+MAX_EMA_CASES = [
+    # target_max, decay, growth, backoff, interval, round_pow2, grow_on_zero, groups
+    (32768.0, 0.99, 2.0, 0.5, 1, False, True, 1),
+    (49152.0, 0.0, 2.0, 0.5, 1, True, False, 1),
+    (1000.3, 0.7, 1.5, 0.8, 4, False, False, 1),
+    (32768.0, 0.9, 2.0, 0.5, 3, True, True, 5),  # layerwise-style: per-group, power-of-two scales
+    (65504.0, 0.5, 1.1, 0.9, 2, False, True, 3),
+]
+
+
+@pytest.mark.parametrize("case", MAX_EMA_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("broadcast_found", [False, True])
+def test_max_ema_update_matches_reference(ops, case, broadcast_found):
+    target, decay, growth, backoff, interval, pow2, grow0, G = case
+    gen = torch.Generator().manual_seed(G * 7 + interval)
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    state = (torch.full((G,), 2.0**15, **f32), torch.zeros(G, **f32), torch.zeros(G, **i32),
+             torch.zeros(G, **i32), torch.full((G,), float("nan"), **f32))
+    ref = tuple(t.clone() for t in state)
+    for i in range(STEPS):
+        absmax = random_absmax(gen, G)
+        found = (~torch.isfinite(absmax)).float()
+        found = found.amax().reshape(()) if broadcast_found else found
+        args = (found, absmax, target, decay, growth, backoff, interval, pow2, grow0)
+        ops.max_ema_update_(*state, *args)
+        max_ema_update_(*ref, *args)
+        assert_states_equal(i, state, ref)
+    assert (state[2] > 0).all(), "trajectory never fed the EMA: the test would not test it"
+
+
+NORM_RATIO_CASES = [
+    # growth, backoff, interval, th_high, th_low, decay
+    (2.0, 0.5, 2000, 8.0, 0.125, 0.5),
+    (2.0, 0.5, 3, 8.0, 0.125, 0.0),
+    (1.5, 0.7, 5, 3.7, 0.3, 0.9),
+]
+
+
+@pytest.mark.parametrize("case", NORM_RATIO_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_norm_ratio_update_matches_reference(ops, case):
+    """Scale, tracker and probe count bit for bit; the ratio and its log-EMA to 1e-6, because
+    torch's CPU sqrt/log2 go through MKL's vector math (not correctly rounded: measured 1 ulp
+    off IEEE sqrt) while the op uses IEEE sqrt and libm's log2f."""
+    growth, backoff, interval, hi, lo, decay = case
+    gen = torch.Generator().manual_seed(interval)
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    state = (torch.tensor(2.0**16), torch.tensor(0, **i32), torch.tensor(0.0), torch.tensor(0, **i32),
+             torch.tensor(float("nan")))
+    ref = tuple(t.clone() for t in state)
+    acted = 0
+    for i in range(STEPS):
+        ref_ss, mp_ss = random_absmax(gen, 2).square()
+        mp_ss = mp_ss * torch.exp2(torch.randint(-12, 13, (), generator=gen).float())  # ratios around 1
+        found = torch.tensor(float(torch.rand((), generator=gen) < 0.1))
+        probed = bool(torch.rand((), generator=gen) < 0.5)
+        args = (found, ref_ss.reshape(()), mp_ss.reshape(()), probed, growth, backoff, interval, hi, lo, decay)
+        before = state[0].clone()
+        ops.norm_ratio_update_(*state, *args)
+        norm_ratio_update_(*ref, *args)
+        assert_states_equal(i, (state[0], state[1], state[3]), (ref[0], ref[1], ref[3]))
+        torch.testing.assert_close(state[2], ref[2], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state[4], ref[4], rtol=1e-6, atol=0, equal_nan=True)
+        acted += int(probed and state[1].item() == 0 and state[0].item() != before.item())
+    assert acted > 0 and state[3].item() > 0, "no probe moved the scale: the test would not test it"
