@@ -226,7 +226,14 @@ class WandbLogger:
             id=run_id,
             resume="allow",
             config=redact(config),
-            settings=wandb.Settings(silent=True, console="off"),
+            settings=wandb.Settings(
+                silent=True,
+                console="off",
+                save_code=False,
+                disable_git=True,  # the fingerprint records git already
+                x_disable_stats=not logger_cfg.get("system_stats", False),
+                x_disable_machine_info=not logger_cfg.get("system_stats", False),
+            ),
         )
 
     def log(self, row: dict) -> None:

@@ -72,7 +72,9 @@ def check_overrides(args: list[str]) -> str | None:
     return None
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# An absolute config path: the app is found the same way as a script, as `python -m`, and as the
+# console script (Hydra resolves a relative path against the calling module, which differs).
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(cfg: DictConfig) -> float | None:
     """Hydra task: train one configuration; the return value (final eval loss) serves sweepers."""
     from experiments.loop import run

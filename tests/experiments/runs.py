@@ -1,0 +1,61 @@
+"""Helpers for the training-app tests: tiny configs, in-process runs, and CLI subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from experiments.loop import run
+from experiments.train import CONF_DIR
+
+REPO = CONF_DIR.parent
+
+# Tiny sizes per model: a few hundred thousand FLOPs per step, so a run is well under a second.
+TINY = {
+    "gpt": [
+        "model=gpt", "data=stdlib_chars", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+        "data.block_size=16", "data.max_bytes=60000", "data.eval_batch_size=16", "train.batch_size=8",
+    ],
+    "mlp": [
+        "model=mlp", "data=vectors", "model.width=32", "model.depth=2", "data.in_features=16",
+        "data.n_train=512", "data.n_val=256", "train.batch_size=32",
+    ],
+    "cnn": [
+        "model=cnn", "data=images", "model.width=4", "model.depth=2", "data.image_size=8",
+        "data.max_shift=1", "data.n_train=256", "data.n_val=128", "train.batch_size=16",
+    ],
+}
+QUIET = ["logger=none", "train.progress=false", "train.eval_batches=2"]
+
+
+def compose_cfg(*overrides: str) -> DictConfig:
+    """The config ``scalelab-train`` would build from these overrides (compose API)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_tiny(run_dir: Path, *overrides: str, model: str = "mlp") -> tuple[dict, list[dict]]:
+    """Train a tiny ``model`` in-process with ``overrides``; return (summary, metrics rows)."""
+    cfg = compose_cfg(*TINY[model], *QUIET, *overrides)
+    summary = run(cfg, run_dir, list(overrides))
+    return summary, read_rows(run_dir)
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m experiments.train ARGS`` in a subprocess (W&B disabled, repo importable)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", HYDRA_FULL_ERROR="")
+    env.pop("HYDRA_FULL_ERROR")
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )

@@ -1,0 +1,152 @@
+"""Compose-API tests: every option of every config group composes and builds; bad values are
+refused with one-line errors naming the option; ``instantiate`` is restricted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import strategies
+from experiments.build import (
+    ConfigError,
+    build_data,
+    build_model,
+    build_optimizer,
+    build_precision,
+    build_strategy,
+    check_targets,
+    strategy_label,
+    validate,
+)
+from experiments.precision import Precision
+from experiments.train import GROUPS, group_options
+from tests.experiments.runs import QUIET, TINY, compose_cfg
+
+# Which tiny model goes with each data option, and which data with each model option.
+DATA_FOR_MODEL = {"gpt": "gpt", "mlp": "mlp", "cnn": "cnn"}
+MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn"}
+
+
+def _cases() -> list[tuple[str, str]]:
+    return [(group, option) for group in GROUPS for option in group_options(group)]
+
+
+def test_every_group_has_its_options() -> None:
+    assert {"gpt", "mlp", "cnn"} <= set(group_options("model"))
+    assert {"stdlib_chars", "vectors", "images"} <= set(group_options("data"))
+    assert set(group_options("precision")) == {"fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"}
+    assert {"none", "native"} <= set(group_options("strategy"))
+    assert {"plain", "small_grad"} <= set(group_options("regime"))
+    assert set(group_options("logger")) == {"wandb", "none"}
+
+
+@pytest.mark.parametrize("group,option", _cases())
+def test_every_option_composes_and_builds(group: str, option: str) -> None:
+    if group == "model":
+        tiny = TINY[DATA_FOR_MODEL[option]]
+    elif group == "data":
+        tiny = TINY[MODEL_FOR_DATA[option]]
+    else:
+        tiny = TINY["mlp"]
+    cfg = compose_cfg(*tiny, *QUIET, f"{group}={option}")
+    validate(cfg)
+    precision = build_precision(cfg)
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    optimizer = build_optimizer(cfg, model.parameters())
+    strategy = build_strategy(cfg)
+    assert isinstance(precision, Precision) and precision.name == cfg.precision.name
+    assert isinstance(model, torch.nn.Module) and model.boundaries
+    assert all(model.get_submodule(name) is not None for name in model.boundaries)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    # One forward/backward through the built objects, so "builds" means "works together".
+    x, y = data.batch(4, torch.Generator().manual_seed(0))
+    with precision.autocast_context(torch.device("cpu")):
+        logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    strategy.scale(loss).backward()
+    strategy.step(optimizer)
+    strategy.update()
+    assert torch.isfinite(loss)
+    if group == "strategy":
+        assert cfg.strategy._target_ == "strategies.create"
+        assert cfg.strategy.name in strategies.available()
+        assert strategy.is_enabled() == (option != "none")
+        assert strategy_label(cfg) == ("none" if option == "none" else cfg.strategy.name)
+    if group == "precision":
+        assert precision.max > precision.smallest_normal > 0
+    if group == "logger":
+        assert cfg.logger.name == option
+
+
+def test_precision_files_carry_their_formats_range() -> None:
+    for name, dtype in [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
+                        ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]:
+        p = build_precision(compose_cfg(f"precision={name}"))
+        info = torch.finfo(dtype)
+        assert p.max == pytest.approx(info.max, rel=1e-6)
+        assert p.smallest_normal == pytest.approx(info.smallest_normal, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.steps=0", "train.steps must be an integer >= 1, got 0"),
+        ("regime.loss_multiplier=0", "regime.loss_multiplier must be a number in [1e-12, 1e+06], got 0"),
+        ("train.hist_every=7", "train.hist_every must be a multiple of train.log_every=10"),
+        ("regime.spike_steps=[1000]", "regime.spike_steps must be a list of steps in [1, train.steps=150]"),
+        ("logger.mode=sometimes", "logger.mode must be online, offline or disabled, got 'sometimes'"),
+        ("train.divergence_loss=-1", "train.divergence_loss must be a number in (0, inf]"),
+    ],
+)
+def test_out_of_range_values_are_one_line_errors(override: str, needle: str) -> None:
+    cfg = compose_cfg("logger=wandb", override)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_constructor_errors_name_the_group() -> None:
+    cfg = compose_cfg(*TINY["mlp"], "strategy=native", "strategy.growth_factor=0.5")
+    with pytest.raises(ConfigError, match=r"^strategy: .*growth_factor.*0\.5") as err:
+        build_strategy(cfg)
+    assert "\n" not in str(err.value)
+    cfg = compose_cfg(*TINY["mlp"], "model.activation=swish")
+    with pytest.raises(ConfigError, match=r"model: model.activation must be one of relu, gelu, tanh, got 'swish'"):
+        build_model(cfg, build_data(cfg))
+
+
+def test_model_data_mismatch_names_both_choices() -> None:
+    cfg = compose_cfg(*TINY["mlp"], "model=cnn")
+    with pytest.raises(ConfigError, match=r"model=cnn cannot train on data=vectors .*accepts data of kind: images"):
+        build_model(cfg, build_data(cfg))
+
+
+def test_shape_arguments_come_from_the_data() -> None:
+    cfg = compose_cfg(*TINY["cnn"], "model=mlp", "data.in_channels=3")
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    assert model.layers[0][0].in_features == 3 * 8 * 8 and model.head.out_features == data.num_classes
+
+
+@pytest.mark.parametrize(
+    "target,needle",
+    [
+        ("os.system", "is not allowed: targets must be in experiments., strategies. or be a torch class"),
+        ("builtins.eval", "is not allowed"),
+        ("torch.load", "from torch only classes may be instantiated"),
+        ("torch.hub.load", "from torch only classes may be instantiated"),
+        ("torch.NoSuchThing", "does not exist in torch"),
+    ],
+)
+def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
+    cfg = compose_cfg(*TINY["mlp"], f"optimizer._target_={target}")
+    with pytest.raises(ConfigError, match=f"optimizer._target_='{target}'") as err:
+        build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    assert needle in str(err.value)
+
+
+def test_nested_targets_are_checked_too() -> None:
+    with pytest.raises(ConfigError, match=r"^data.inner\[0\]._target_='subprocess.run' is not allowed"):
+        check_targets({"_target_": "experiments.data.CharData", "inner": [{"_target_": "subprocess.run"}]}, "data")
+    check_targets({"_target_": "torch.optim.SGD", "x": {"_target_": "strategies.create"}}, "ok")
