@@ -63,6 +63,72 @@ from strategies.stats import GradStats
 RULES = ("max_ema", "backoff_growth")
 
 
+def layerwise_update_(
+    scales: torch.Tensor,
+    growth_trackers: torch.Tensor,
+    ema: torch.Tensor,
+    ema_steps: torch.Tensor,
+    hysteresis: torch.Tensor,
+    candidate: torch.Tensor,
+    origin: torch.Tensor,
+    found_inf: torch.Tensor,
+    group_found_inf: torch.Tensor,
+    group_absmax: torch.Tensor,
+    group_numel: torch.Tensor,
+    emitted: torch.Tensor,
+    contaminated: torch.Tensor,
+    rule: str,
+    target_max: float,
+    ema_decay: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    grow_on_zero: bool,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> None:
+    """The per-group rule, in place on the device (no host sync). Every tensor has shape [G]
+    except ``found_inf`` (scalar: > 0 when any gradient of the step was non-finite).
+
+    Args:
+        scales (float32), growth_trackers (int32), ema (float32), ema_steps (int32),
+            hysteresis (int32, ``backoff_growth``'s tracker, H = 1): the per-group state; updated.
+        candidate: float32, written with each group's ``target_max / absmax`` (``max_ema``).
+        origin: float32, written with 1.0 for the groups blamed for this step's overflow.
+        group_found_inf, group_absmax, group_numel: the step's per-group statistics.
+        emitted, contaminated: float32, > 0 where a boundary hook saw a non-finite gradient
+            leave the group downward / arrive into it from above.
+        rule: ``"max_ema"`` or ``"backoff_growth"``; other arguments: hyper-parameters;
+            ``min_scale``/``max_scale`` are the power-of-two bounds (None: unbounded).
+
+    Origin = (own gradients non-finite or emitted non-finite) and not contaminated, on a
+    skipped step; if no group qualifies, every group. Origin groups run the rule with
+    found_inf = 1 (back off, EMA not fed). Groups that are not origins on a skipped step, and
+    groups that received no gradient, keep their state; every tracker restarts on a skipped step.
+    New scales are rounded down to powers of two and clamped.
+    """
+    skip = found_inf > 0
+    blamed = ((group_found_inf > 0) | (emitted > 0)) & ~(contaminated > 0) & skip
+    blamed = blamed | (skip & ~blamed.any())
+    frozen = (skip & ~blamed) | (group_numel == 0)
+    old = [t.clone() for t in (scales, growth_trackers, ema, ema_steps, hysteresis)]
+    if rule == "max_ema":
+        max_ema_update_(scales, ema, ema_steps, growth_trackers, candidate, blamed.float(), group_absmax,
+                        target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero)
+    elif rule == "backoff_growth":
+        backoff_growth_hysteresis_(scales, growth_trackers, hysteresis, blamed.float(),
+                                   growth_factor, backoff_factor, growth_interval, 1)
+        scales.copy_(round_down_pow2(scales))
+    else:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    for t, o in zip((scales, growth_trackers, ema, ema_steps, hysteresis), old):
+        t.copy_(torch.where(frozen, o, t))
+    growth_trackers.copy_(torch.where(skip, torch.zeros_like(growth_trackers), growth_trackers))
+    if min_scale is not None or max_scale is not None:
+        scales.clamp_(min=min_scale, max=max_scale)
+    origin.copy_(blamed.float())
+
+
 def _is_pow2(x: float) -> bool:
     m, _ = math.frexp(x)
     return m == 0.5
@@ -326,33 +392,13 @@ class LayerwiseStrategy(Strategy):
     # ------------------------------------------------------------------ the rule
     def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert self._scales is not None and stats is not None
-        skip = found_inf > 0
-        param_bad = stats.found_inf > 0
-        origin = (param_bad | (self._emitted > 0)) & ~(self._contaminated > 0) & skip
-        origin = origin | (skip & ~origin.any())
-        frozen = (skip & ~origin) | (stats.numel == 0)
-
-        old = (self._scales.clone(), self._trackers.clone(), self._ema.clone(),
-               self._ema_steps.clone(), self._hysteresis.clone())
-        if self._rule == "max_ema":
-            max_ema_update_(
-                self._scales, self._ema, self._ema_steps, self._trackers, self._candidate,
-                origin.float(), stats.absmax,
-                self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
-                self._growth_interval, True, self._zero_grads == "grow",
-            )
-        else:
-            backoff_growth_hysteresis_(
-                self._scales, self._trackers, self._hysteresis, origin.float(),
-                self._growth_factor, self._backoff_factor, self._growth_interval, 1,
-            )
-            self._scales.copy_(round_down_pow2(self._scales))
-        for t, o in zip((self._scales, self._trackers, self._ema, self._ema_steps, self._hysteresis), old):
-            t.copy_(torch.where(frozen, o, t))
-        self._trackers.copy_(torch.where(skip, torch.zeros_like(self._trackers), self._trackers))
-        if self._lo_pow2 is not None or self._hi_pow2 is not None:
-            self._scales.clamp_(min=self._lo_pow2, max=self._hi_pow2)
-        self._origin.copy_(origin.float())
+        layerwise_update_(
+            self._scales, self._trackers, self._ema, self._ema_steps, self._hysteresis,
+            self._candidate, self._origin,
+            found_inf, stats.found_inf, stats.absmax, stats.numel, self._emitted, self._contaminated,
+            self._rule, self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
+            self._growth_interval, self._zero_grads == "grow", self._lo_pow2, self._hi_pow2,
+        )
         self._group_stats = stats
         self._contaminated.zero_()
         self._emitted.zero_()
