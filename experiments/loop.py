@@ -174,13 +174,16 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
             print(f"scalelab-train: {out_dir} already {state['status']} at step {state['step']}", file=sys.stderr)
             return records.read_json(out_dir / records.SUMMARY_NAME)
 
-    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     if tcfg.get("deterministic", False):
         torch.use_deterministic_algorithms(True)
+    if cfg.get("threads") is not None:
+        torch.set_num_threads(int(cfg.threads))
     try:
         return _train(cfg, out_dir, list(overrides), info, precision, names, state)
     finally:
         torch.use_deterministic_algorithms(prev_det)
+        torch.set_num_threads(prev_threads)
         dist.cleanup()
 
 
@@ -307,7 +310,9 @@ def _train(
         for step in range(start_step + 1, steps + 1):
             log_now = step % log_every == 0 or step == steps
             hooks.measure = log_now
-            hooks.hist = log_now and hist_every > 0 and step % hist_every == 0
+            # The histogram goes on the first logging step at or after each multiple of hist_every.
+            prev_log = ((step - 1) // log_every) * log_every
+            hooks.hist = log_now and hist_every > 0 and step // hist_every > prev_log // hist_every
             if log_now:
                 hooks.reset()
             m = multiplier * (spike_factor if step in spike_steps else 1.0)

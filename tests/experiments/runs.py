@@ -31,7 +31,7 @@ TINY = {
         "data.max_shift=1", "data.n_train=256", "data.n_val=128", "train.batch_size=16",
     ],
 }
-QUIET = ["logger=none", "train.progress=false", "train.eval_batches=2"]
+QUIET = ["logger=none", "train.progress=false", "train.eval_batches=2", "threads=1"]
 
 
 def compose_cfg(*overrides: str) -> DictConfig:

@@ -93,7 +93,7 @@ def test_precision_files_carry_their_formats_range() -> None:
     [
         ("train.steps=0", "train.steps must be an integer >= 1, got 0"),
         ("regime.loss_multiplier=0", "regime.loss_multiplier must be a number in [1e-12, 1e+06], got 0"),
-        ("train.hist_every=7", "train.hist_every must be a multiple of train.log_every=10"),
+        ("train.log_every=0", "train.log_every must be an integer >= 1, got 0"),
         ("regime.spike_steps=[1000]", "regime.spike_steps must be a list of steps in [1, train.steps=150]"),
         ("logger.mode=sometimes", "logger.mode must be online, offline or disabled, got 'sometimes'"),
         ("train.divergence_loss=-1", "train.divergence_loss must be a number in (0, inf]"),
