@@ -27,4 +27,11 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor(d!) ema_steps, Tensor(e!) last_ratio, Tensor found_inf, Tensor ref_sumsq, Tensor mp_sumsq, "
       "bool probed, float growth_factor, float backoff_factor, int growth_interval, float threshold_high, "
       "float threshold_low, float ema_decay) -> ()");
+  // layerwise: per-group rule with overflow attribution; state and statistics [G], found_inf [1].
+  m.def(
+      "layerwise_update_(Tensor(a!) scales, Tensor(b!) growth_trackers, Tensor(c!) ema, Tensor(d!) ema_steps, "
+      "Tensor(e!) hysteresis, Tensor(f!) candidate, Tensor(g!) origin, Tensor found_inf, Tensor group_found_inf, "
+      "Tensor group_absmax, Tensor group_numel, Tensor emitted, Tensor contaminated, str rule, float target_max, "
+      "float ema_decay, float growth_factor, float backoff_factor, int growth_interval, bool grow_on_zero, "
+      "float? min_scale, float? max_scale) -> ()");
 }

@@ -3,6 +3,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <string>
+
 #include "scalelab_rules.h"
 
 namespace scalelab {
@@ -84,9 +87,53 @@ void norm_ratio_update_cpu(at::Tensor& scale, at::Tensor& growth_tracker, at::Te
 }
 
 }  // namespace
+
+int32_t layerwise_rule_code(c10::string_view rule) {
+  if (rule == "max_ema") return rules::kLayerwiseMaxEma;
+  if (rule == "backoff_growth") return rules::kLayerwiseBackoffGrowth;
+  TORCH_CHECK(false, "scalelab::layerwise_update_: rule must be one of ('max_ema', 'backoff_growth'), got '",
+              std::string(rule), "'");
+}
+
+namespace {
+
+void layerwise_update_cpu(at::Tensor& scales, at::Tensor& growth_trackers, at::Tensor& ema, at::Tensor& ema_steps,
+                          at::Tensor& hysteresis, at::Tensor& candidate, at::Tensor& origin,
+                          const at::Tensor& found_inf, const at::Tensor& group_found_inf,
+                          const at::Tensor& group_absmax, const at::Tensor& group_numel, const at::Tensor& emitted,
+                          const at::Tensor& contaminated, c10::string_view rule, double target_max, double ema_decay,
+                          double growth_factor, double backoff_factor, int64_t growth_interval, bool grow_on_zero,
+                          std::optional<double> min_scale, std::optional<double> max_scale) {
+  const int64_t G = scales.numel();
+  check_group_tensor(scales, at::kFloat, "scales", G, false);
+  check_group_tensor(growth_trackers, at::kInt, "growth_trackers", G, false);
+  check_group_tensor(ema, at::kFloat, "ema", G, false);
+  check_group_tensor(ema_steps, at::kInt, "ema_steps", G, false);
+  check_group_tensor(hysteresis, at::kInt, "hysteresis", G, false);
+  check_group_tensor(candidate, at::kFloat, "candidate", G, false);
+  check_group_tensor(origin, at::kFloat, "origin", G, false);
+  check_scalar(found_inf, at::kFloat, "found_inf");
+  check_group_tensor(group_found_inf, at::kFloat, "group_found_inf", G, false);
+  check_group_tensor(group_absmax, at::kFloat, "group_absmax", G, false);
+  check_group_tensor(group_numel, at::kLong, "group_numel", G, false);
+  check_group_tensor(emitted, at::kFloat, "emitted", G, false);
+  check_group_tensor(contaminated, at::kFloat, "contaminated", G, false);
+  const rules::LayerwiseParams p = rules::layerwise_params(
+      layerwise_rule_code(rule), target_max, ema_decay, growth_factor, backoff_factor, growth_interval, grow_on_zero,
+      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0));
+  rules::layerwise_update(scales.data_ptr<float>(), growth_trackers.data_ptr<int32_t>(), ema.data_ptr<float>(),
+                          ema_steps.data_ptr<int32_t>(), hysteresis.data_ptr<int32_t>(), candidate.data_ptr<float>(),
+                          origin.data_ptr<float>(), *found_inf.const_data_ptr<float>(),
+                          group_found_inf.const_data_ptr<float>(), group_absmax.const_data_ptr<float>(),
+                          group_numel.const_data_ptr<int64_t>(), emitted.const_data_ptr<float>(),
+                          contaminated.const_data_ptr<float>(), G, p);
+}
+
+}  // namespace
 }  // namespace scalelab
 
 TORCH_LIBRARY_IMPL(scalelab, CPU, m) {
+  m.impl("layerwise_update_", &scalelab::layerwise_update_cpu);
   m.impl("native_update_", &scalelab::native_update_cpu);
   m.impl("max_ema_update_", &scalelab::max_ema_update_cpu);
   m.impl("norm_ratio_update_", &scalelab::norm_ratio_update_cpu);

@@ -48,5 +48,12 @@ cudaError_t norm_ratio_update(float* scale, int32_t* growth_tracker, float* log_
                               const float* mp_sumsq, bool probed, rules::NormRatioParams params,
                               cudaStream_t stream);
 
+// All groups in one thread (the blame needs an any() over groups first); arrays of `groups`.
+cudaError_t layerwise_update(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps, int32_t* hysteresis,
+                             float* candidate, float* origin, const float* found_inf, const float* group_found_inf,
+                             const float* group_absmax, const int64_t* group_numel, const float* emitted,
+                             const float* contaminated, int64_t groups, rules::LayerwiseParams params,
+                             cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace scalelab

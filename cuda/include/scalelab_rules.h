@@ -215,5 +215,83 @@ SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float*
   *ema_steps += valid ? 1 : 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// layerwise: one power-of-two scale per layer group, exactly strategies.layerwise.layerwise_update_.
+//
+//   skip = found_inf > 0
+//   blamed_g = skip && (group_found_inf_g > 0 || emitted_g > 0) && !(contaminated_g > 0);
+//              if skip and no group is blamed, every group is
+//   frozen_g = (skip && !blamed_g) || numel_g == 0
+//   rule per group with found = blamed_g: max_ema (round_pow2 forced) or backoff/growth (torch's
+//   rule, H = 1, then round_down_pow2); frozen groups keep scale/tracker/ema/steps/hysteresis;
+//   every tracker restarts on a skipped step; scales clamped to [min, max]; origin_g = blamed_g
+//
+// Runs over all G groups in one call (the blame needs the any() over groups first), so the CUDA
+// kernel is one thread; G is the number of layer groups (small).
+// ---------------------------------------------------------------------------------------------
+enum LayerwiseRule : int32_t { kLayerwiseMaxEma = 0, kLayerwiseBackoffGrowth = 1 };
+
+struct LayerwiseParams {
+  int32_t rule;
+  MaxEmaParams max_ema;  // round_pow2 = true
+  NativeParams native;   // hysteresis = 1
+  bool has_min, has_max;
+  float min_scale, max_scale;
+};
+
+SCALELAB_HD void layerwise_update(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps,
+                                  int32_t* hysteresis, float* candidate, float* origin, float found_inf,
+                                  const float* group_found_inf, const float* group_absmax,
+                                  const int64_t* group_numel, const float* emitted, const float* contaminated,
+                                  int64_t groups, const LayerwiseParams& p) {
+  const bool skip = found_inf > 0.f;
+  bool any_blamed = false;
+  for (int64_t g = 0; g < groups; ++g)
+    any_blamed |= skip && (group_found_inf[g] > 0.f || emitted[g] > 0.f) && !(contaminated[g] > 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    bool blamed = skip && (group_found_inf[g] > 0.f || emitted[g] > 0.f) && !(contaminated[g] > 0.f);
+    if (skip && !any_blamed) blamed = true;
+    const bool frozen = (skip && !blamed) || group_numel[g] == 0;
+    float s = scales[g], e = ema[g], cand = candidate[g];
+    int32_t t = trackers[g], n = ema_steps[g], h = hysteresis[g];
+    const float f = blamed ? 1.f : 0.f;
+    if (p.rule == kLayerwiseMaxEma) {
+      max_ema_update(&s, &e, &n, &t, &cand, f, group_absmax[g], p.max_ema);
+    } else {
+      native_update(&s, &t, &h, f, p.native);
+      s = round_down_pow2(s);
+    }
+    candidate[g] = cand;
+    if (!frozen) {
+      scales[g] = s;
+      trackers[g] = t;
+      ema[g] = e;
+      ema_steps[g] = n;
+      hysteresis[g] = h;
+    }
+    if (skip) trackers[g] = 0;
+    float c = scales[g];
+    if (p.has_min && c < p.min_scale) c = p.min_scale;
+    if (p.has_max && c > p.max_scale) c = p.max_scale;
+    scales[g] = c;
+    origin[g] = f;
+  }
+}
+
+inline LayerwiseParams layerwise_params(int32_t rule, double target_max, double ema_decay, double growth_factor,
+                                        double backoff_factor, int64_t growth_interval, bool grow_on_zero,
+                                        bool has_min, double min_scale, bool has_max, double max_scale) {
+  LayerwiseParams p;
+  p.rule = rule;
+  p.max_ema = max_ema_params(target_max, ema_decay, growth_factor, backoff_factor, growth_interval, true,
+                             grow_on_zero);
+  p.native = NativeParams{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval), 1};
+  p.has_min = has_min;
+  p.has_max = has_max;
+  p.min_scale = static_cast<float>(min_scale);
+  p.max_scale = static_cast<float>(max_scale);
+  return p;
+}
+
 }  // namespace rules
 }  // namespace scalelab

@@ -35,7 +35,27 @@ __global__ void norm_ratio_update_kernel(float* scale, int32_t* growth_tracker, 
                            *mp_sumsq, probed, p);
 }
 
+__global__ void layerwise_update_kernel(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps,
+                                        int32_t* hysteresis, float* candidate, float* origin, const float* found_inf,
+                                        const float* group_found_inf, const float* group_absmax,
+                                        const int64_t* group_numel, const float* emitted, const float* contaminated,
+                                        int64_t groups, rules::LayerwiseParams p) {
+  rules::layerwise_update(scales, trackers, ema, ema_steps, hysteresis, candidate, origin, *found_inf,
+                          group_found_inf, group_absmax, group_numel, emitted, contaminated, groups, p);
+}
+
 }  // namespace
+
+cudaError_t layerwise_update(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps, int32_t* hysteresis,
+                             float* candidate, float* origin, const float* found_inf, const float* group_found_inf,
+                             const float* group_absmax, const int64_t* group_numel, const float* emitted,
+                             const float* contaminated, int64_t groups, rules::LayerwiseParams params,
+                             cudaStream_t stream) {
+  layerwise_update_kernel<<<1, 1, 0, stream>>>(scales, trackers, ema, ema_steps, hysteresis, candidate, origin,
+                                               found_inf, group_found_inf, group_absmax, group_numel, emitted,
+                                               contaminated, groups, params);
+  return cudaGetLastError();
+}
 
 cudaError_t native_update(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
                           const float* found_inf, rules::NativeParams params, cudaStream_t stream) {

@@ -136,3 +136,49 @@ def test_norm_ratio_update_matches_reference(ops, case):
         torch.testing.assert_close(state[4], ref[4], rtol=1e-6, atol=0, equal_nan=True)
         acted += int(probed and state[1].item() == 0 and state[0].item() != before.item())
     assert acted > 0 and state[3].item() > 0, "no probe moved the scale: the test would not test it"
+
+
+LAYERWISE_CASES = [
+    # rule, growth, backoff, interval, grow_on_zero, min_scale, max_scale, groups
+    ("max_ema", 2.0, 0.5, 1, True, None, None, 4),
+    ("max_ema", 4.0, 0.25, 3, False, 2.0**-4, 2.0**20, 6),
+    ("backoff_growth", 2.0, 0.5, 2, True, None, None, 5),
+    ("backoff_growth", 2.0, 0.5, 1, True, 1.0, 2.0**18, 3),
+]
+
+
+@pytest.mark.parametrize("case", LAYERWISE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_layerwise_update_matches_reference(ops, case):
+    from strategies.layerwise import layerwise_update_
+
+    rule, growth, backoff, interval, grow0, lo, hi, G = case
+    gen = torch.Generator().manual_seed(G + interval)
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    state = (torch.full((G,), 2.0**15, **f32), torch.zeros(G, **i32), torch.zeros(G, **f32), torch.zeros(G, **i32),
+             torch.ones(G, **i32), torch.zeros(G, **f32), torch.zeros(G, **f32))
+    ref = tuple(t.clone() for t in state)
+    skipped = blamed_some = 0
+    for i in range(STEPS):
+        absmax = random_absmax(gen, G)
+        group_found = (~torch.isfinite(absmax)).float()
+        emitted = (torch.rand(G, generator=gen) < 0.05).float()
+        contaminated = (torch.rand(G, generator=gen) < 0.1).float()
+        found = torch.maximum(group_found.amax(), emitted.amax()).reshape(())
+        numel = torch.randint(0, 3, (G,), generator=gen) * 1000  # some groups got no gradient
+        args = (found, group_found, absmax, numel, emitted, contaminated,
+                rule, 32768.0, 0.9, growth, backoff, interval, grow0, lo, hi)
+        ops.layerwise_update_(*state, *args)
+        layerwise_update_(*ref, *args)
+        assert_states_equal(i, state, ref)
+        skipped += int(found.item() > 0)
+        blamed_some += int(found.item() > 0 and state[6].sum().item() < G)
+    assert skipped > 0 and blamed_some > 0, "no attributed overflow: the test would not test attribution"
+
+
+def test_layerwise_rejects_unknown_rule(ops):
+    z = torch.zeros(2)
+    zi = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="rule must be one of"):
+        ops.layerwise_update_(z.clone(), zi.clone(), z.clone(), zi.clone(), zi.clone(), z.clone(), z.clone(),
+                              torch.tensor(0.0), z, z, torch.zeros(2, dtype=torch.int64), z, z,
+                              "nope", 1.0, 0.5, 2.0, 0.5, 1, True, None, None)
