@@ -3,9 +3,12 @@
 Rule (seed 003, section 3.3 "层级化动态缩放 (Layer-wise Scaling)": layers near the input usually
 have smaller gradients than layers near the output, so each layer group l keeps its own scale
 S_l). Groups are indexed 0..G-1; by default each top-level child module of the attached model
-that owns parameters (registration order), or the modules matched by ``groups`` (fnmatch
-patterns over qualified module names; one group per pattern, outermost match, first pattern
-wins). Every trainable parameter must belong to a group.
+that owns parameters (registration order; containers that are never called themselves —
+``ModuleList``, ``ModuleDict`` — are looked into, so ``blocks.0``, ``blocks.1``, ... are groups),
+or the modules matched by ``groups`` (fnmatch patterns over qualified module names; one group
+per pattern, outermost match, first pattern wins). Every trainable parameter must belong to a
+group, and a group whose parameters receive gradients must have been called in forward
+(:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
 
 Mechanics (all scales are powers of two, so every rescaling below is exact unless the result
 leaves the format's range — which is precisely what scaling is about):
@@ -25,6 +28,7 @@ leaves the format's range — which is precisely what scaling is about):
   and call i+1 (sequential models, blocks with internal residuals). A skip connection that
   jumps over a group boundary mixes scales. Not supported: activation checkpointing inside
   groups, tied weights across groups, computing the loss from a non-final group's output.
+  ``copy.deepcopy`` of an attached model copies the hooks too: detach first.
 
 Update (per group, in place, no host sync):
 
@@ -53,6 +57,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.max_ema import FP16_MAX, ZERO_GRADS_MODES, max_ema_update_, round_down_pow2
@@ -127,6 +132,10 @@ def layerwise_update_(
     if min_scale is not None or max_scale is not None:
         scales.clamp_(min=min_scale, max=max_scale)
     origin.copy_(blamed.float())
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+"""Modules that hold others but are never called: the default grouping looks inside them."""
 
 
 def _is_pow2(x: float) -> bool:
@@ -212,6 +221,7 @@ class LayerwiseStrategy(Strategy):
         self._generation = 0
         self._trace: _Trace | None = None
         self._out_group = 0
+        self._called: set[int] = set()
         self._scales: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ groups
@@ -225,8 +235,19 @@ class LayerwiseStrategy(Strategy):
 
     def _resolve_groups(self, model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
         if self._patterns is None:
-            found = [(n, [m]) for n, m in model.named_children()
-                     if any(p.requires_grad for p in m.parameters())]
+            found: list[tuple[str, list[torch.nn.Module]]] = []
+
+            def visit(prefix: str, parent: torch.nn.Module) -> None:
+                for n, m in parent.named_children():
+                    name = f"{prefix}{n}"
+                    if not any(p.requires_grad for p in m.parameters()):
+                        continue
+                    if isinstance(m, _CONTAINERS):  # never called itself: its members are
+                        visit(name + ".", m)
+                    else:
+                        found.append((name, [m]))
+
+            visit("", model)
             return found
         out: list[tuple[str, list[torch.nn.Module]]] = [(p, []) for p in self._patterns]
         taken: list[str] = []
@@ -287,6 +308,7 @@ class LayerwiseStrategy(Strategy):
         self._handles = []
         self._generation += 1
         self._trace = None
+        self._called = set()
         if was_grouped:
             self._group_names = ["all"]
             self._param_group = {}
@@ -317,6 +339,7 @@ class LayerwiseStrategy(Strategy):
             trace = self._trace
             i = len(trace.calls)
             trace.calls.append(gi)
+            self._called.add(gi)
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._make_boundary(trace, i))
@@ -380,6 +403,26 @@ class LayerwiseStrategy(Strategy):
         except KeyError:
             raise ValueError("layerwise: the optimizer holds a parameter outside the attached model") from None
 
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse gradients whose scale is unknown: a group whose parameters received gradients
+        but whose modules were never called (with grad enabled) since the last update — e.g. a
+        pattern naming a ModuleList, or parameters used outside their module. Host-side check
+        (``p.grad is None`` and Python sets), no tensor read."""
+        if self._handles and self.num_groups > 1:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    gi = self._param_group.get(id(p))
+                    if p.grad is not None and gi is not None and gi not in self._called:
+                        raise RuntimeError(
+                            f"layerwise: group {self._group_names[gi]!r} has gradients but none of its "
+                            "modules was called in forward since the last update, so their scale is "
+                            "unknown; choose groups (patterns) of modules that are called")
+        super()._unscale_grads_(optimizer)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        super().update(new_scale)
+        self._called = set()
+
     def _inv_scales(self) -> torch.Tensor:
         assert self._scales is not None
         return self._scales.double().reciprocal().float()
@@ -392,13 +435,15 @@ class LayerwiseStrategy(Strategy):
     # ------------------------------------------------------------------ the rule
     def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert self._scales is not None and stats is not None
-        layerwise_update_(
+        args = (
             self._scales, self._trackers, self._ema, self._ema_steps, self._hysteresis,
             self._candidate, self._origin,
             found_inf, stats.found_inf, stats.absmax, stats.numel, self._emitted, self._contaminated,
             self._rule, self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
             self._growth_interval, self._zero_grads == "grow", self._lo_pow2, self._hi_pow2,
         )
+        if not kernels.layerwise_update_(*args):  # the fused op (cuda/) when built, else torch ops
+            layerwise_update_(*args)
         self._group_stats = stats
         self._contaminated.zero_()
         self._emitted.zero_()

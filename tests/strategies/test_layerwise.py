@@ -345,3 +345,47 @@ def test_layerwise_update_attribution_table(group_bad, emitted, contaminated, nu
     assert origin.tolist() == expect_origin
     if any(group_bad):
         assert trackers.tolist() == [0] * G
+
+
+# ------------------------------------------------------------------ the project's own models
+def _project_models():
+    from experiments.models import CNN, GPT, MLP
+
+    torch.manual_seed(0)
+    return [
+        (GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16), torch.randint(0, 16, (2, 8)),
+         lambda o: F.cross_entropy(o.reshape(-1, 16), torch.arange(16)),
+         ["embed", "blocks.0", "blocks.1", "ln_f", "head"]),
+        (MLP(in_features=8, num_classes=4, width=16, depth=3), torch.randn(4, 8),
+         lambda o: F.cross_entropy(o, torch.tensor([0, 1, 2, 3])), ["layers.0", "layers.1", "layers.2", "head"]),
+        (CNN(in_channels=1, num_classes=4, width=4, depth=2), torch.randn(2, 1, 8, 8),
+         lambda o: F.cross_entropy(o, torch.tensor([0, 1])), ["convs.0", "convs.1", "head"]),
+    ]
+
+
+@pytest.mark.parametrize("k", range(3), ids=["gpt", "mlp", "cnn"])
+def test_default_groups_of_the_project_models_are_exact(k: int) -> None:
+    """Default grouping looks inside ModuleLists; with unequal scales (residual blocks, layer
+    norms, attention, pooling, glue ops between groups) the unscaled gradients are those of an
+    unscaled fp32 backward, bit for bit."""
+    model, x, loss_fn, names = _project_models()[k]
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    s = strategies.create("layerwise").attach(model)
+    assert s.group_names == names
+    s.scale(torch.ones(()))
+    set_scales(s, [2.0**3, 2.0**12, 2.0**-5, 2.0**9, 2.0**1][: s.num_groups])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s.scale(loss_fn(model(x))).backward()
+    s.unscale_(opt)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_a_group_that_is_never_called_is_refused() -> None:
+    model, x, loss_fn, _ = _project_models()[1]
+    s = strategies.create("layerwise", groups=["layers", "head"]).attach(model)  # a ModuleList: never called
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s.scale(loss_fn(model(x))).backward()
+    with pytest.raises(RuntimeError, match=r"group 'layers' has gradients but none of its modules was called"):
+        s.unscale_(opt)
