@@ -31,7 +31,11 @@ import torch
 __all__ = [
     "available",
     "build_directory",
+    "layerwise_update_",
     "load",
+    "max_ema_update_",
+    "native_update_",
+    "norm_ratio_update_",
     "source_dir",
     "unavailable_reason",
     "unscale_and_stats",
@@ -190,3 +194,133 @@ def unscale_and_stats(
         raise ValueError(f"inv_scale must have 1 or {num_groups} elements, got {inv_scale.numel()}")
     with torch.no_grad():
         return tuple(torch.ops.scalelab.unscale_and_stats(list(grads), inv_scale, gi, int(num_groups)))
+
+
+def _update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``torch.ops.scalelab.<op>`` can run on these state/statistics tensors."""
+    if not load():
+        return False
+    dev = tensors[0].device
+    if dev.type == "cuda":
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"scalelab::{op}", "CUDA"):
+            return False
+    elif dev.type != "cpu":
+        return False
+    for t in tensors:
+        if t.device != dev or not t.is_contiguous() or t.dtype not in (torch.float32, torch.int32, torch.int64):
+            return False
+    return True
+
+
+def native_update_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> bool:
+    """Backoff/growth with hysteresis in one op (``scalelab_rules.h: native_update``); ``False``
+    when the op does not apply (the caller runs its torch path). S * factor is evaluated in
+    double and rounded to float, as ``torch._amp_update_scale_`` does."""
+    if not _update_applies("native_update_", (scale, growth_tracker, hysteresis_tracker, found_inf)):
+        return False
+    torch.ops.scalelab.native_update_(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                      float(growth_factor), float(backoff_factor), int(growth_interval),
+                                      int(hysteresis))
+    return True
+
+
+def max_ema_update_(
+    scale: torch.Tensor,
+    ema: torch.Tensor,
+    ema_steps: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    candidate: torch.Tensor,
+    found_inf: torch.Tensor,
+    grad_absmax: torch.Tensor,
+    target_max: float,
+    ema_decay: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    round_pow2: bool,
+    grow_on_zero: bool,
+) -> bool:
+    """:func:`strategies.max_ema.max_ema_update_` as one op (same arguments, bit-identical
+    results); ``False`` when the op does not apply."""
+    tensors = (scale, ema, ema_steps, growth_tracker, candidate, found_inf, grad_absmax)
+    if not _update_applies("max_ema_update_", tensors):
+        return False
+    torch.ops.scalelab.max_ema_update_(*tensors, float(target_max), float(ema_decay), float(growth_factor),
+                                       float(backoff_factor), int(growth_interval), bool(round_pow2),
+                                       bool(grow_on_zero))
+    return True
+
+
+def norm_ratio_update_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    log_ratio_ema: torch.Tensor,
+    ema_steps: torch.Tensor,
+    last_ratio: torch.Tensor,
+    found_inf: torch.Tensor,
+    ref_sumsq: torch.Tensor,
+    mp_sumsq: torch.Tensor,
+    probed: bool,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    threshold_high: float,
+    threshold_low: float,
+    ema_decay: float,
+) -> bool:
+    """:func:`strategies.norm_ratio.norm_ratio_update_` as one op (same arguments; scale,
+    tracker and probe count bit-identical, the ratio and its log-EMA within 1-2 ulp because
+    torch's CPU sqrt/log2 are MKL's); ``False`` when the op does not apply."""
+    tensors = (scale, growth_tracker, log_ratio_ema, ema_steps, last_ratio, found_inf, ref_sumsq, mp_sumsq)
+    if not _update_applies("norm_ratio_update_", tensors):
+        return False
+    torch.ops.scalelab.norm_ratio_update_(*tensors, bool(probed), float(growth_factor), float(backoff_factor),
+                                          int(growth_interval), float(threshold_high), float(threshold_low),
+                                          float(ema_decay))
+    return True
+
+
+def layerwise_update_(
+    scales: torch.Tensor,
+    growth_trackers: torch.Tensor,
+    ema: torch.Tensor,
+    ema_steps: torch.Tensor,
+    hysteresis: torch.Tensor,
+    candidate: torch.Tensor,
+    origin: torch.Tensor,
+    found_inf: torch.Tensor,
+    group_found_inf: torch.Tensor,
+    group_absmax: torch.Tensor,
+    group_numel: torch.Tensor,
+    emitted: torch.Tensor,
+    contaminated: torch.Tensor,
+    rule: str,
+    target_max: float,
+    ema_decay: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    grow_on_zero: bool,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> bool:
+    """:func:`strategies.layerwise.layerwise_update_` as one op (same arguments, bit-identical
+    results); ``False`` when the op does not apply."""
+    tensors = (scales, growth_trackers, ema, ema_steps, hysteresis, candidate, origin, found_inf,
+               group_found_inf, group_absmax, group_numel, emitted, contaminated)
+    if not _update_applies("layerwise_update_", tensors):
+        return False
+    torch.ops.scalelab.layerwise_update_(
+        *tensors, str(rule), float(target_max), float(ema_decay), float(growth_factor), float(backoff_factor),
+        int(growth_interval), bool(grow_on_zero),
+        None if min_scale is None else float(min_scale), None if max_scale is None else float(max_scale))
+    return True

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.registry import register_strategy
@@ -173,12 +174,14 @@ class MaxEmaStrategy(Strategy):
 
     def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert self._scale is not None and self._growth_tracker is not None and stats is not None
-        max_ema_update_(
+        args = (
             self._scale, self._ema, self._ema_steps, self._growth_tracker, self._candidate,
             found_inf, stats.absmax.amax(),
             self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
             self._growth_interval, self._round_pow2, self._zero_grads == "grow",
         )
+        if not kernels.max_ema_update_(*args):  # the fused op (cuda/) when built, else torch ops
+            max_ema_update_(*args)
 
     def _extra_state_dict(self) -> dict[str, Any]:
         return {"ema": float(self._ema.item()), "ema_steps": int(self._ema_steps.item())}

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.registry import register_strategy
@@ -307,7 +308,7 @@ class NormRatioStrategy(Strategy):
         assert self._scale is not None and self._growth_tracker is not None
         probed = self._ref_sumsq is not None
         zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        norm_ratio_update_(
+        args = (
             self._scale, self._growth_tracker, self._log_ratio_ema, self._ema_steps, self._last_ratio,
             found_inf,
             self._ref_sumsq if probed else zero,
@@ -316,6 +317,8 @@ class NormRatioStrategy(Strategy):
             self._growth_factor, self._backoff_factor, self._growth_interval,
             self._threshold_high, self._threshold_low, self._ema_decay,
         )
+        if not kernels.norm_ratio_update_(*args):  # the fused op (cuda/) when built, else torch ops
+            norm_ratio_update_(*args)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As :meth:`Strategy.update`; also advances the (host-side) probe schedule."""
