@@ -91,6 +91,7 @@ def layerwise_update_(
     grow_on_zero: bool,
     min_scale: float | None,
     max_scale: float | None,
+    cap_ema_on_overflow: bool = False,
 ) -> None:
     """The per-group rule, in place on the device (no host sync). Every tensor has shape [G]
     except ``found_inf`` (scalar: > 0 when any gradient of the step was non-finite).
@@ -119,7 +120,8 @@ def layerwise_update_(
     old = [t.clone() for t in (scales, growth_trackers, ema, ema_steps, hysteresis)]
     if rule == "max_ema":
         max_ema_update_(scales, ema, ema_steps, growth_trackers, candidate, blamed.float(), group_absmax,
-                        target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero)
+                        target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero,
+                        cap_ema_on_overflow)
     elif rule == "backoff_growth":
         backoff_growth_hysteresis_(scales, growth_trackers, hysteresis, blamed.float(),
                                    growth_factor, backoff_factor, growth_interval, 1)
@@ -164,7 +166,7 @@ class LayerwiseStrategy(Strategy):
         groups: fnmatch patterns over qualified module names, one group per pattern
             (default ``None``: each top-level child module that owns parameters).
         rule: ``"max_ema"`` (default) or ``"backoff_growth"`` (torch's rule per group).
-        target_max, format_max, ema_decay, zero_grads: the max-EMA rule's parameters
+        target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow: the max-EMA rule's parameters
             (see :class:`strategies.max_ema.MaxEmaStrategy`).
         min_scale, max_scale: bounds; the effective bounds are the powers of two inside them.
         other arguments: see :class:`strategies.base.Strategy`.
@@ -186,6 +188,7 @@ class LayerwiseStrategy(Strategy):
         format_max: float = FP16_MAX,
         ema_decay: float = 0.99,
         zero_grads: str = "grow",
+        cap_ema_on_overflow: bool = False,
         **kwargs: Any,
     ) -> None:
         rule = v.one_of("rule", rule, RULES)
@@ -201,6 +204,9 @@ class LayerwiseStrategy(Strategy):
             v.fail("target_max", f"<= format_max ({self._format_max:g})", target_max)
         self._ema_decay = v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0)
         self._zero_grads = v.one_of("zero_grads", zero_grads, ZERO_GRADS_MODES)
+        if not isinstance(cap_ema_on_overflow, bool):
+            v.fail("cap_ema_on_overflow", "a bool", cap_ema_on_overflow)
+        self._cap_ema = cap_ema_on_overflow
         if groups is not None:
             if isinstance(groups, str) or not all(isinstance(g, str) for g in groups):
                 v.fail("groups", "a list of fnmatch patterns (strings) or None", groups)
@@ -442,8 +448,9 @@ class LayerwiseStrategy(Strategy):
             self._rule, self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
             self._growth_interval, self._zero_grads == "grow", self._lo_pow2, self._hi_pow2,
         )
-        if not kernels.layerwise_update_(*args):  # the fused op (cuda/) when built, else torch ops
-            layerwise_update_(*args)
+        # The fused op (cuda/) when built, else torch ops; the fused op has no EMA cap option.
+        if self._cap_ema or not kernels.layerwise_update_(*args):
+            layerwise_update_(*args, cap_ema_on_overflow=self._cap_ema)
         self._group_stats = stats
         self._contaminated.zero_()
         self._emitted.zero_()

@@ -32,6 +32,11 @@ Decisions this module makes where the seed is silent (documented, tested):
   relies on it).
 * A new scale that is not finite or not > 0 is rejected (S kept), as torch rejects a
   non-finite grown scale.
+* ``cap_ema_on_overflow`` (default False = the seed's rule): an overflow at S shows that an EMA
+  at or above S is unsafe, so the backed-off S also caps the EMA, ``e <- min(e, S')``. Without
+  it a lagging EMA (d = 0.99 remembers ~100 steps) that sits above the overflow threshold —
+  e.g. after the gradients grew — pulls S straight back up after each backoff, and the run
+  alternates overflow / clean steps until the EMA decays (measured in the README).
 
 Known weakness, kept visible: one outlier gradient makes ``c`` collapse for a step and drags
 ``e`` (and through the ``e < S / growth_factor`` branch, S) down; ``telemetry()`` exposes
@@ -78,6 +83,7 @@ def max_ema_update_(
     growth_interval: int,
     round_pow2: bool,
     grow_on_zero: bool,
+    cap_ema_on_overflow: bool = False,
 ) -> None:
     """The max-EMA rule, in place on the device (no host sync); elementwise, so every tensor
     may be a scalar ``[]`` or a per-group vector ``[G]`` (``layerwise`` uses the latter).
@@ -90,6 +96,8 @@ def max_ema_update_(
         candidate: float32, written with ``target_max / grad_absmax`` of this step (telemetry).
         found_inf: float32, > 0 where the step's gradients were non-finite.
         grad_absmax: float32, abs-max of the unscaled gradients.
+        cap_ema_on_overflow: on a non-finite step also set ``e <- min(e, new S)`` (off: the
+            seed's rule, EMA untouched).
         other arguments: the rule's hyper-parameters (see the module docstring).
     """
     found = found_inf > 0
@@ -114,6 +122,8 @@ def max_ema_update_(
         new = round_down_pow2(new)
     new = torch.where(torch.isfinite(new) & (new > 0), new, scale)
 
+    if cap_ema_on_overflow:
+        e = torch.where(found & (ema_steps > 0), torch.minimum(e, new), e)
     scale.copy_(new)
     ema.copy_(e)
     ema_steps.add_(fed.to(ema_steps.dtype))
@@ -136,6 +146,7 @@ class MaxEmaStrategy(Strategy):
         ema_decay: d in [0, 1) (default 0.99; 0 = no smoothing).
         round_pow2: round S down to a power of two after every update (default False).
         zero_grads: ``"grow"`` (default) or ``"keep"``: what an all-zero gradient step does.
+        cap_ema_on_overflow: an overflow also caps the EMA at the backed-off S (default False).
         other arguments: see :class:`strategies.base.Strategy`.
     """
 
@@ -154,9 +165,13 @@ class MaxEmaStrategy(Strategy):
         ema_decay: float = 0.99,
         round_pow2: bool = False,
         zero_grads: str = "grow",
+        cap_ema_on_overflow: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
+        if not isinstance(cap_ema_on_overflow, bool):
+            v.fail("cap_ema_on_overflow", "a bool", cap_ema_on_overflow)
+        self._cap_ema = cap_ema_on_overflow
         self._format_max = v.finite_positive("format_max", format_max)
         self._target_max = v.finite_positive("target_max", target_max)
         if self._target_max > self._format_max:
@@ -180,8 +195,9 @@ class MaxEmaStrategy(Strategy):
             self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
             self._growth_interval, self._round_pow2, self._zero_grads == "grow",
         )
-        if not kernels.max_ema_update_(*args):  # the fused op (cuda/) when built, else torch ops
-            max_ema_update_(*args)
+        # The fused op (cuda/) when built, else torch ops; the fused op has no EMA cap option.
+        if self._cap_ema or not kernels.max_ema_update_(*args):
+            max_ema_update_(*args, cap_ema_on_overflow=self._cap_ema)
 
     def _extra_state_dict(self) -> dict[str, Any]:
         return {"ema": float(self._ema.item()), "ema_steps": int(self._ema_steps.item())}

@@ -14,7 +14,7 @@ from tests.helpers import forbid_host_sync
 INF = math.inf
 
 
-def run_rule(steps, *, S0, decay=0.5, interval=1, round_pow2=False, grow_on_zero=True):
+def run_rule(steps, *, S0, decay=0.5, interval=1, round_pow2=False, grow_on_zero=True, cap=False):
     """Feed (found_inf, absmax) pairs to the pure rule; return [(S, e, tracker)] after each."""
     S = torch.tensor(S0, dtype=torch.float32)
     e = torch.zeros(())
@@ -24,7 +24,7 @@ def run_rule(steps, *, S0, decay=0.5, interval=1, round_pow2=False, grow_on_zero
     out = []
     for found, G in steps:
         max_ema_update_(S, e, n, t, c, torch.tensor(float(found)), torch.tensor(float(G)),
-                        32768.0, decay, 2.0, 0.5, interval, round_pow2, grow_on_zero)
+                        32768.0, decay, 2.0, 0.5, interval, round_pow2, grow_on_zero, cap)
         out.append((S.item(), e.item(), int(t.item())))
     return out
 
@@ -71,6 +71,18 @@ def test_rejects_a_non_finite_or_zero_scale() -> None:
     assert got[0][0] == fmax
     got = run_rule([(1, INF)], S0=float(torch.finfo(torch.float32).smallest_normal) * 2**-23)
     assert got[0][0] > 0  # backing off the smallest subnormal would give 0: S kept
+
+
+def test_cap_ema_on_overflow_stops_the_regrowth_after_a_backoff() -> None:
+    # d = 0.99. The EMA sits at 131072 (= S * 2 after the first step); an overflow backs S off.
+    steps = [(0, 0.25), (1, INF), (0, 0.25)]
+    seed = run_rule(steps, S0=65536.0, decay=0.99)
+    # The seed's rule: the EMA is untouched, so S jumps straight back to where it overflowed.
+    assert [(s, e) for s, e, _ in seed] == [(131072.0, 131072.0), (65536.0, 131072.0), (131072.0, 131072.0)]
+    capped = run_rule(steps, S0=65536.0, decay=0.99, cap=True)
+    e3 = 0.99 * 65536.0 + 0.01 * 131072.0  # the EMA restarts from the backed-off S
+    assert capped[1][:2] == (65536.0, 65536.0)
+    assert capped[2][0] == pytest.approx(e3, rel=1e-7) and capped[2][1] == pytest.approx(e3, rel=1e-7)
 
 
 def test_round_down_pow2_exact() -> None:
@@ -143,6 +155,7 @@ def test_state_round_trip_keeps_the_ema() -> None:
         (dict(ema_decay=1.0), "ema_decay must be in [0, 1), got 1.0"),
         (dict(zero_grads="shrink"), "zero_grads must be one of 'grow', 'keep', got 'shrink'"),
         (dict(round_pow2=1), "round_pow2 must be a bool, got 1"),
+        (dict(cap_ema_on_overflow="yes"), "cap_ema_on_overflow must be a bool, got 'yes'"),
     ],
 )
 def test_invalid_arguments(kwargs, message) -> None:
