@@ -217,10 +217,17 @@ def _train(
     counters = {"steps": 0, "skipped_steps": 0, "timed_steps": 0, "step_time_sum": 0.0, "strategy_time_sum": 0.0}
     start_step = 0
     if state is not None:
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        strategy.load_state_dict(state["strategy"])
-        ckpt.restore_rng(state["rng"])
+        try:
+            raw_model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            strategy.load_state_dict(state["strategy"])
+            ckpt.restore_rng(state["rng"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            reason = " ".join(str(exc).split())[:300]
+            raise AppError(
+                f"checkpoint {out_dir / ckpt.CHECKPOINT_NAME} does not match this configuration ({reason}); "
+                "use another hydra.run.dir or the configuration it was written with"
+            ) from None
         counters.update(state["counters"])
         start_step = int(state["step"])
 

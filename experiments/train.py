@@ -11,7 +11,9 @@ Config tree: ``conf/config.yaml`` (groups ``model``, ``data``, ``precision``, ``
 
 Before Hydra starts, :func:`main` checks the command-line overrides: a malformed override or an
 unknown choice for one of this project's config groups ends with one line naming the option and
-the allowed values, and exit code 2 (Hydra's own messages for these span several lines).
+the allowed values, and exit code 2 (Hydra's own messages for these span several lines). A bad
+value found while building the run (out of range, a model that cannot take the data, an unusable
+checkpoint) ends the same way in a single run; in a sweep the job fails with that one line.
 """
 
 from __future__ import annotations
@@ -77,10 +79,20 @@ def check_overrides(args: list[str]) -> str | None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(cfg: DictConfig) -> float | None:
     """Hydra task: train one configuration; the return value (final eval loss) serves sweepers."""
+    from hydra.types import RunMode
+
+    from experiments.build import AppError
     from experiments.loop import run
 
     hc = HydraConfig.get()
-    summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+    try:
+        summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+    except AppError as exc:
+        if hc.mode == RunMode.RUN:
+            # One run: the one-line message is the whole report (no "HYDRA_FULL_ERROR" banner).
+            print(f"scalelab-train: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise  # a sweep: Hydra records this job as failed with the same one-line message
     return summary.get("final_eval_loss")
 
 

@@ -1,0 +1,135 @@
+"""The app as users run it (subprocesses): kill-and-resume, a corrupt checkpoint, bad overrides,
+and W&B offline. Each Hydra subprocess costs a few seconds, so there are few of them."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.train import group_options
+from tests.experiments.runs import QUIET, TINY, cli, read_rows, run_tiny
+
+# fp16 with a native scaler that grows every 3 clean steps and a spike at step 8: the scale
+# trajectory moves both ways, so "same trajectory" means something.
+RESUME = [*TINY["mlp"], *QUIET, "precision=fp16", "strategy=native", "strategy.init_scale=1024",
+          "strategy.growth_interval=3", "regime=spikes", "regime.spike_steps=[8]", "train.steps=24",
+          "train.log_every=2", "train.eval_every=6", "train.checkpoint_every=5", "train.deterministic=true"]
+
+
+def _wandb_log_records(path: Path) -> list[bytes]:
+    """Payloads of a ``.wandb`` file: a 7-byte header (``:W&B``, magic, version), then LevelDB-log
+    style records (crc32 u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last) in 32 KiB
+    blocks whose tails shorter than a record header are zero padding."""
+    raw, block, out, pos, parts = path.read_bytes(), 32768, [], 7, b""
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
+        if kind == 0:
+            break
+        parts += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            out.append(parts)
+            parts = b""
+    return out
+
+
+def _parse_record(data: bytes):
+    from wandb.proto import wandb_internal_pb2
+
+    rec = wandb_internal_pb2.Record()
+    rec.ParseFromString(data)
+    return rec
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+
+
+def test_killed_run_resumes_to_the_same_parameters_and_scale_trajectory(tmp_path: Path) -> None:
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    run_tiny(ref_dir, *RESUME[len(TINY["mlp"]) + len(QUIET):])
+    killed = cli(*RESUME, f"hydra.run.dir={run_dir}", "train.kill_at_step=13")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"] == 10
+    assert max(r["step"] for r in read_rows(run_dir)) == 12  # written after the checkpoint: to be dropped
+    # Re-run in the same directory (in-process: the same code path the CLI takes after Hydra).
+    run_tiny(run_dir, *RESUME[len(TINY["mlp"]) + len(QUIET):])
+    ref_rows, rows = read_rows(ref_dir), read_rows(run_dir)
+    key = lambda r: (r["kind"], r["step"])  # noqa: E731
+    assert [key(r) for r in rows] == [key(r) for r in ref_rows]  # no duplicates, nothing missing
+    train, ref_train = [r for r in rows if r["kind"] == "train"], [r for r in ref_rows if r["kind"] == "train"]
+    assert [r["scale"] for r in train] == [r["scale"] for r in ref_train]
+    assert len({r["scale"] for r in train}) >= 3 and any(r["skipped"] for r in train)
+    assert [r["loss"] for r in train] == [r["loss"] for r in ref_train]
+    ref_params, params = _final_params(ref_dir), _final_params(run_dir)
+    assert all(torch.equal(ref_params[k], params[k]) for k in ref_params)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 24
+    assert summary["skipped_steps"] == json.loads((ref_dir / "summary.json").read_text())["skipped_steps"]
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_nothing_is_overwritten(tmp_path: Path) -> None:
+    run_tiny(tmp_path, "train.steps=10", "train.checkpoint_every=5", "train.log_every=5")
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(path.read_bytes()[:300])
+    mine = ("checkpoint.pt", "metrics.jsonl", "summary.json")
+    before = {name: (tmp_path / name).read_bytes() for name in mine}
+    result = cli(*TINY["mlp"], *QUIET, "train.steps=20", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and "truncated or corrupt" in lines[0]
+    after = {name: (tmp_path / name).read_bytes() for name in mine}
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("strategy=nope", "unknown strategy 'nope'; allowed values for strategy: " + ", ".join(group_options("strategy"))),
+        ("model=transformer", "unknown model 'transformer'; allowed values for model: cnn, gpt, mlp"),
+        ("precision=fp4,fp16", "unknown precision 'fp4'; allowed values for precision: bf16, fp16, fp32, fp8_e4m3, fp8_e5m2"),
+        ("train.steps=[1", "malformed override 'train.steps=[1'"),
+    ],
+)
+def test_bad_choices_and_malformed_overrides_fail_before_hydra(override: str, message: str) -> None:
+    result = cli(override)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"scalelab-train: error: {result.stderr.split('error: ', 1)[1].strip()}"]
+    assert message in result.stderr
+
+
+def test_out_of_range_value_is_a_one_line_error(tmp_path: Path) -> None:
+    result = cli(*QUIET, "regime.loss_multiplier=0", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "scalelab-train: error: regime.loss_multiplier must be a number in [1e-12, 1e+06], got 0"
+    )
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_wandb_offline_run_directory_has_the_logged_keys(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    summary, rows = run_tiny(tmp_path, "logger=wandb", "logger.mode=offline", "train.steps=6",
+                             "train.log_every=3", "train.hist_every=3", "sweep=wbtest")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    records = [_parse_record(data) for data in _wandb_log_records(next(runs[0].glob("run-*.wandb")))]
+    logged = {item.key or "/".join(item.nested_key)
+              for rec in records if rec.WhichOneof("record_type") == "history" for item in rec.history.item}
+    runs_info = [rec.run for rec in records if rec.WhichOneof("record_type") == "run"]
+    assert len(runs_info) == 1, [rec.WhichOneof("record_type") for rec in records]
+    run_info = runs_info[0]
+    assert {"train/loss", "train/scale", "train/grad_norm", "train/act_zero_frac/head", "eval/eval_loss"} <= logged
+    assert any(key.startswith("train/act_exp_hist") for key in logged)  # a wandb.Histogram
+    assert run_info.run_group == "wbtest" and run_info.job_type == "native"
+    assert "mlp" in run_info.tags and summary["status"] == "completed"
