@@ -16,6 +16,15 @@ from tests.helpers import forbid_host_sync, params_equal
 INF = math.inf
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny fp16-autocast models run ~10x faster on one thread of a loaded 2-core CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class Poison(torch.nn.Module):
     """Identity forward; backward multiplies the gradient by ``factor`` (set it to inf to inject)."""
 
