@@ -398,3 +398,16 @@ def test_a_group_that_is_never_called_is_refused() -> None:
     s.scale(loss_fn(model(x))).backward()
     with pytest.raises(RuntimeError, match=r"group 'layers' has gradients but none of its modules was called"):
         s.unscale_(opt)
+
+
+def test_manual_update_sets_every_group_to_a_power_of_two() -> None:
+    model = deep_mlp(seed=11)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = strategies.create("layerwise").attach(model)
+    step_once(model, opt, s, 0)
+    assert len(set(s.telemetry()["scales"].tolist())) > 1
+    x, y = data(1)
+    s.scale(F.mse_loss(model(x), y)).backward()
+    s.step(opt)
+    s.update(3.0)  # as GradScaler.update(new_scale); rounded down to keep the rescaling exact
+    assert s.telemetry()["scales"].tolist() == [2.0] * 5 and s.get_scale() == 2.0
