@@ -263,7 +263,9 @@ def _train(
         writer = records.MetricsWriter(metrics_path)
         lcfg = OmegaConf.to_container(cfg.logger, resolve=True)
         assert isinstance(lcfg, dict)
-        if lcfg.get("name") == "wandb" and lcfg.get("mode") != "disabled":
+        if lcfg.get("name") == "wandb":
+            lcfg["mode"] = os.environ.get("WANDB_MODE") or lcfg.get("mode")  # W&B's own variable wins
+        if lcfg.get("name") == "wandb" and lcfg["mode"] != "disabled":
             tags = [names["precision"], names["model"], names["data"], names["regime"], names["strategy"]]
             wandb_logger = records.WandbLogger(
                 out_dir,
