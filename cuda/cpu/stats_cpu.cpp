@@ -1,7 +1,7 @@
 // CPU twin of the fused statistics pass: scalelab::unscale_and_stats for CPU tensors.
 //
-// One read/write pass over every gradient, split into fixed chunks that at::parallel_for spreads
-// over the intra-op threads. Per chunk, 16-lane accumulators (auto-vectorised by the compiler)
+// One read/write pass over every gradient, split into fixed chunks that the intra-op threads
+// (at::parallel_for) claim one at a time. Per chunk, 16-lane accumulators (auto-vectorised by the compiler)
 // gather, for the values as they arrived: non-finite flag, zero count, subnormal count
 // (0 < |x| < 2^-14); and for the unscaled values y = cast(x * inv) as stored: abs-max (NaN
 // tracked separately and propagated) and sum of squares (float within 256-element sub-blocks,
@@ -15,9 +15,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -28,7 +30,8 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int64_t kChunk = 1 << 15;       // elements per parallel work item
-constexpr int kFlushBlocks = 16;          // float sum-of-squares lanes flushed to double every 256 elements
+constexpr int kFlushBlocks = 16;
+constexpr int64_t kSerialBelow = 1 << 21;  // elements; smaller passes run on the calling thread          // float sum-of-squares lanes flushed to double every 256 elements
 
 struct Partial {
   float absmax = 0.f;
@@ -167,11 +170,107 @@ void chunk_pass(typename E::Raw* __restrict p, int64_t n, float inv, Partial& ou
   out.nan = nn != 0;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Sum of 16 float lanes in double (lanes hold at most 8 squares each between flushes).
+inline double flush(__m512 v) {
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+}
+
+// ---- AVX-512 path: the same arithmetic as chunk_pass, 16 lanes per instruction -----------------
+// Vector loads/stores through float; the stored (rounded) value is what the statistics see.
+template <typename E> struct Vec;
+template <> struct Vec<Elem<float>> {
+  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 store(float* p, __m512 v) { _mm512_storeu_ps(p, v); return v; }
+};
+template <> struct Vec<Elem<uint16_t>> {
+  static inline __m512 load(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline __m512 store(uint16_t* p, __m512 v) {
+    const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return _mm512_cvtph_ps(h);
+  }
+};
+template <> struct Vec<Elem<BF16Tag>> {
+  static inline __m512 load(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static inline __m512 store(uint16_t* p, __m512 v) {  // round to nearest even, NaN -> 0x7fc0
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(kAbsMask)),
+                                                  _mm512_set1_epi32(kExpMask));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+  }
+};
+
+template <typename E, bool kWrite>
+void chunk_pass_avx512(typename E::Raw* __restrict p, int64_t n, float inv, Partial& out) {
+  const __m512i abs_mask = _mm512_set1_epi32(kAbsMask), exp_mask = _mm512_set1_epi32(kExpMask);
+  const __m512i tiny_lim = _mm512_set1_epi32(kFp16MinNormalBits - 1u), one = _mm512_set1_epi32(1);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  __m512 mx0 = _mm512_setzero_ps(), mx1 = _mm512_setzero_ps(), ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
+  __m512i zero0 = _mm512_setzero_si512(), zero1 = zero0, tiny0 = zero0, tiny1 = zero0;
+  __mmask16 bad = 0, nan = 0;
+  double sumsq = 0.0;
+  int blocks = 0;
+  auto body = [&](typename E::Raw* q, __m512& mx, __m512& ss, __m512i& zc, __m512i& tc) {
+    __m512 v = Vec<E>::load(q);
+    const __m512i ab = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+    bad |= _mm512_cmpge_epu32_mask(ab, exp_mask);
+    zc = _mm512_mask_add_epi32(zc, _mm512_cmpeq_epi32_mask(ab, _mm512_setzero_si512()), zc, one);
+    tc = _mm512_mask_add_epi32(tc, _mm512_cmplt_epu32_mask(_mm512_sub_epi32(ab, one), tiny_lim), tc, one);
+    if (kWrite) v = Vec<E>::store(q, _mm512_mul_ps(v, vinv));
+    const __m512i ub = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+    nan |= _mm512_cmpgt_epu32_mask(ub, exp_mask);
+    mx = _mm512_max_ps(_mm512_castsi512_ps(ub), mx);  // NaN lane: keeps mx (tracked in nan)
+    ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+  };
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    body(p + i, mx0, ss0, zero0, tiny0);
+    body(p + i + kLanes, mx1, ss1, zero1, tiny1);
+    if (++blocks == kFlushBlocks / 2) {
+      sumsq += flush(ss0) + flush(ss1);
+      ss0 = _mm512_setzero_ps();
+      ss1 = _mm512_setzero_ps();
+      blocks = 0;
+    }
+  }
+  sumsq += flush(ss0) + flush(ss1);
+  Partial tail;
+  chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 32 elements
+  float m[kLanes];
+  _mm512_storeu_ps(m, _mm512_max_ps(mx0, mx1));
+  float am = tail.absmax;
+  for (int l = 0; l < kLanes; ++l) am = m[l] > am ? m[l] : am;
+  out.absmax = am;
+  out.sumsq = sumsq + tail.sumsq;
+  out.zeros = _mm512_reduce_add_epi32(_mm512_add_epi32(zero0, zero1)) + tail.zeros;
+  out.tiny = _mm512_reduce_add_epi32(_mm512_add_epi32(tiny0, tiny1)) + tail.tiny;
+  out.nonfinite = bad != 0 || tail.nonfinite;
+  out.nan = nan != 0 || tail.nan;
+}
+#endif
+
 template <typename E>
 void run_chunk(void* base, int64_t n, float inv, Partial& out) {
   auto* p = static_cast<typename E::Raw*>(base);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (inv == 1.f) chunk_pass_avx512<E, false>(p, n, inv, out);
+  else chunk_pass_avx512<E, true>(p, n, inv, out);
+#else
   if (inv == 1.f) chunk_pass<E, false>(p, n, inv, out);
   else chunk_pass<E, true>(p, n, inv, out);
+#endif
 }
 
 struct Work {
@@ -239,9 +338,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       work.push_back({base + s * elem_size(d), std::min(kChunk, t.numel() - s), g, d});
   }
 
+  // Threads claim chunks from a shared counter instead of taking a fixed share, so a thread that
+  // the OS schedules late (a loaded machine) delays the pass by at most one chunk, not by its
+  // whole share; below kSerialBelow elements waking a second thread costs more than it saves.
   std::vector<Partial> part(work.size());
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 2, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
+  std::atomic<int64_t> next{0};
+  const int64_t nwork = static_cast<int64_t>(work.size());
+  auto drain = [&]() {
+    for (int64_t w = next.fetch_add(1, std::memory_order_relaxed); w < nwork;
+         w = next.fetch_add(1, std::memory_order_relaxed)) {
       const Work& wk = work[w];
       const float inv = inv_of(wk.group);
       switch (wk.dtype) {
@@ -250,7 +355,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         case kBFloat16: run_chunk<Elem<BF16Tag>>(wk.base, wk.n, inv, part[w]); break;
       }
     }
-  });
+  };
+  int64_t total = 0;
+  for (const Work& wk : work) total += wk.n;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), nwork);
+  if (total < kSerialBelow || threads <= 1 || at::in_parallel_region()) {
+    drain();
+  } else {
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { drain(); });
+  }
 
   for (size_t k = 0; k < grads.size(); ++k) {
     if (dense[k].defined() && !dense[k].is_same(grads[k])) {

@@ -1,0 +1,279 @@
+"""``scalelab-bench``: what scaling costs per step, and what the fused statistics pass costs.
+
+(a) **Per-step strategy overhead** — ``scale(loss)`` + ``unscale_(opt)`` + ``step(opt)`` +
+``update()``, with an optimizer whose ``step`` does nothing, so forward, backward and the
+optimizer's arithmetic are excluded — for every registered strategy (``strategies.available()``),
+for ``torch.amp.GradScaler("cpu")`` and for no scaling (``loss`` + ``opt.step()``), at each size.
+``norm_ratio`` runs without a reference closure, i.e. its overhead *excluding the probe* (the
+probe is one fp32 forward+backward every ``probe_interval`` steps, a model-dependent cost that
+the training runs record). ``layerwise`` runs unattached (one group).
+
+(b) **Statistics pass** — ``strategies.stats.unscale_and_stats`` (the fused op when built) versus
+one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write)
+and versus the plain-torch multi-pass reference ``unscale_and_stats_reference``.
+
+Everything is measured side by side in one process: each repeat runs every configuration once
+(round robin, so load changes hit all alike), gradients are restored from a master copy outside
+the timed region before every timed call (so repeated unscaling never drifts into subnormals),
+and the table reports medians over the repeats with ratios. Results go to ``--out`` (JSON).
+
+Example::
+
+    scalelab-bench                         # sizes 1M,10M,50M, 7 repeats
+    scalelab-bench --quick                 # 1M only, 3 repeats: a smoke run
+    scalelab-bench --sizes 50M --repeats 11 --out bench50m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import torch
+
+import strategies
+from strategies import kernels
+from strategies.stats import unscale_and_stats, unscale_and_stats_reference
+
+DEFAULT_SIZES = "1M,10M,50M"
+SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """``"50M"`` -> 50_000_000; plain integers accepted."""
+    t = text.strip().upper()
+    try:
+        if t and t[-1] in SUFFIX:
+            value = int(float(t[:-1]) * SUFFIX[t[-1]])
+        else:
+            value = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes must look like 1M, 250K or 1000000, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return value
+
+
+class NoOpOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step`` does nothing: the benchmark times scaling, not SGD."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # noqa: D102
+        return None
+
+
+def make_params(numel: int, tensors: int, seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """``tensors`` parameters holding ``numel`` elements in all, with gradients ~ N(0, 1e-3)
+    scaled by 2^16 (as a backward of a scaled loss would produce), plus a master copy of them."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [numel // tensors + (1 if k < numel % tensors else 0) for k in range(tensors)]
+    params, master = [], []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.zeros(n))
+        g = torch.randn(n, generator=gen) * (1e-3 * 2.0**16)
+        p.grad = g.clone()
+        params.append(p)
+        master.append(g)
+    return params, master
+
+
+def restore(params: list[torch.nn.Parameter], master: list[torch.Tensor]) -> None:
+    torch._foreach_copy_([p.grad for p in params], master)
+
+
+def step_timer(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], float]:
+    """One timed training-step's worth of scaling calls; returns seconds."""
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        if scaler is None:  # no scaling: the loss is used as is and the optimizer steps
+            _ = loss * 1.0
+            opt.step()
+        else:
+            _ = scaler.scale(loss)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def make_scaler(name: str) -> Any:
+    if name == "none":
+        return None
+    if name == "GradScaler":
+        return torch.amp.GradScaler("cpu")
+    return strategies.create(name, device="cpu")
+
+
+def bench_overhead(numel: int, tensors: int, names: list[str], repeats: int, steps: int) -> list[dict[str, Any]]:
+    params, master = make_params(numel, tensors)
+    opt = NoOpOptimizer(params)
+    loss = torch.tensor(1.0)
+    runners = {n: step_timer(make_scaler(n), opt, loss) for n in names}
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for n in names:  # warm-up: lazy init, first allocations, kernel build/load
+        restore(params, master)
+        runners[n]()
+    for _ in range(repeats):
+        for n in names:
+            per_step = []
+            for _ in range(steps):
+                restore(params, master)
+                per_step.append(runners[n]())
+            samples[n].append(statistics.median(per_step))
+    base = statistics.median(samples["GradScaler"]) if "GradScaler" in samples else None
+    rows = []
+    for n in names:
+        med = statistics.median(samples[n])
+        rows.append({
+            "size": numel, "tensors": tensors, "name": n, "median_ms": med * 1e3,
+            "ratio_vs_gradscaler": None if not base else med / base,
+            "samples_ms": [s * 1e3 for s in samples[n]],
+        })
+    return rows
+
+
+def bench_stats_pass(numel: int, tensors: int, repeats: int) -> dict[str, Any]:
+    params, master = make_params(numel, tensors, seed=1)
+    grads = [p.grad for p in params]
+    inv = torch.tensor(2.0**-16)
+    calls: dict[str, Callable[[], Any]] = {
+        "fused": lambda: unscale_and_stats(grads, inv),
+        "foreach_mul": lambda: torch._foreach_mul_(grads, inv),
+        "reference": lambda: unscale_and_stats_reference(grads, inv),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    for fn in calls.values():  # warm-up
+        restore(params, master)
+        fn()
+    for _ in range(repeats):
+        for k, fn in calls.items():
+            restore(params, master)
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    return {
+        "size": numel, "tensors": tensors,
+        "fused_ms": med["fused"], "foreach_mul_ms": med["foreach_mul"], "reference_ms": med["reference"],
+        "fused_over_foreach_mul": med["fused"] / med["foreach_mul"],
+        "reference_over_fused": med["reference"] / med["fused"],
+        "fused_is_kernel": kernels.available(),
+        "samples_ms": {k: [s * 1e3 for s in v] for k, v in samples.items()},
+    }
+
+
+def human(n: int) -> str:
+    for suffix, f in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= f and n % (f // 10) == 0:
+            return f"{n / f:g}{suffix}"
+    return str(n)
+
+
+def format_tables(overhead: list[dict[str, Any]], stats_rows: list[dict[str, Any]], names: list[str]) -> str:
+    lines = ["(a) per-step scaling overhead: scale + unscale_ + step + update (no-op optimizer),",
+             "    median ms; in brackets: ratio to torch.amp.GradScaler", ""]
+    header = f"{'params':>8} " + " ".join(f"{n:>18}" for n in names)
+    lines += [header, "-" * len(header)]
+    for size in sorted({r["size"] for r in overhead}):
+        cells = []
+        for n in names:
+            r = next(x for x in overhead if x["size"] == size and x["name"] == n)
+            ratio = "" if r["ratio_vs_gradscaler"] is None else f" [{r['ratio_vs_gradscaler']:.2f}x]"
+            cells.append(f"{r['median_ms']:9.3f}{ratio:>9}")
+        lines.append(f"{human(size):>8} " + " ".join(f"{c:>18}" for c in cells))
+    lines += ["", "(b) statistics pass vs one in-place _foreach_mul_ and the plain-torch reference, median ms", ""]
+    header = (f"{'params':>8} {'fused':>10} {'foreach_mul':>12} {'reference':>11} "
+              f"{'fused/mul':>10} {'ref/fused':>10}")
+    lines += [header, "-" * len(header)]
+    for r in stats_rows:
+        lines.append(f"{human(r['size']):>8} {r['fused_ms']:10.3f} {r['foreach_mul_ms']:12.3f} "
+                     f"{r['reference_ms']:11.3f} {r['fused_over_foreach_mul']:9.2f}x {r['reference_over_fused']:9.2f}x")
+    if stats_rows and not stats_rows[0]["fused_is_kernel"]:
+        lines.append("note: the fused op is not built here; 'fused' ran the plain-torch fallback")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "kernels_available": kernels.available(),
+    }
+    try:
+        info["loadavg_1_5_15"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return info
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scalelab-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=None, help=f"comma-separated parameter counts (default {DEFAULT_SIZES})")
+    p.add_argument("--tensors", type=int, default=50, help="gradient tensors the parameters are split into (50)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats per configuration; medians reported (7)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per repeat in (a), median taken (3)")
+    p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: all registered)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="sizes 1M and 3 repeats unless given: a smoke run")
+    p.add_argument("--out", default="bench.json", help="JSON output path (bench.json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sizes_text = args.sizes or ("1M" if args.quick else DEFAULT_SIZES)
+    try:
+        sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        build_parser().error(str(exc))
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
+    for field, value in (("repeats", repeats), ("steps", args.steps), ("tensors", args.tensors)):
+        if value < 1:
+            build_parser().error(f"--{field} must be >= 1, got {value}")
+    if args.threads is not None:
+        if args.threads < 1:
+            build_parser().error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    registered = strategies.available()
+    chosen = registered if args.strategies is None else [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in registered]
+    if unknown:
+        build_parser().error(f"--strategies: unknown {unknown}; available: {registered}")
+    names = ["none", "GradScaler", *chosen]
+
+    kernels.load()  # build/load before timing anything
+    overhead: list[dict[str, Any]] = []
+    stats_rows: list[dict[str, Any]] = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="norm_ratio: no reference closure")
+        for size in sizes:
+            tensors = min(args.tensors, size)
+            print(f"measuring {human(size)} parameters in {tensors} tensors ...", file=sys.stderr, flush=True)
+            overhead += bench_overhead(size, tensors, names, repeats, args.steps)
+            stats_rows.append(bench_stats_pass(size, tensors, repeats))
+    result = {"meta": {**machine_info(), "repeats": repeats, "steps": args.steps, "argv": sys.argv[1:]},
+              "overhead": overhead, "stats_pass": stats_rows}
+    print(format_tables(overhead, stats_rows, names))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
