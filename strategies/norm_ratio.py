@@ -41,6 +41,13 @@ the only extra work of this strategy; ``telemetry()`` reports ``probe_count``, `
 probe, not to run it, because no sync is allowed), ``probe_last_time_s``, ``norm_ratio`` (last
 raw r) and ``norm_ratio_ema`` (r_bar).
 
+Distributed (``distributed`` keyword, see the base class): under DDP ("replicated") the probe
+all-reduces the reference gradients to their mean over ranks — the quantity the DDP-averaged
+mixed-precision gradient estimates — and both sums of squares are then MAX-reduced, so every
+rank computes the same ratio and scale; "sharded" SUM-reduces the ranks' sums of squares (the
+closure must then differentiate the rank's own shard). The closure runs the plain module, not the
+DDP wrapper.
+
 P: the ``params`` given to :meth:`set_reference` (tensors, or ``(name, tensor)`` pairs such as
 ``model.named_parameters()``), else the parameters of the model given to :meth:`attach`, else
 those of the first optimizer unscaled in the probe step; restricted by ``probe_layers`` (fnmatch
@@ -58,6 +65,7 @@ import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from strategies import kernels
 from strategies import validation as v
@@ -286,8 +294,24 @@ class NormRatioStrategy(Strategy):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("norm_ratio: the reference closure must return a scalar loss tensor")
             grads = torch.autograd.grad(loss.float().reshape(()), params, allow_unused=True)
-        sq = [g.detach().float().square().sum().to(dev) for g in grads if g is not None]
+        grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
+        if self._dist_mode() == "replicated":
+            # DDP: the mixed-precision gradient is the mean over ranks of each rank's batch
+            # gradient, so the reference must be that mean too (the probe's one collective).
+            flat = torch.cat([g.float().reshape(-1).to(dev) for g in grads]) if grads \
+                else torch.zeros(0, device=dev)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(dist.get_world_size())
+            self._ref_sumsq = flat.square().sum()
+            return
+        sq = [g.float().square().sum().to(dev) for g in grads]
         self._ref_sumsq = torch.stack(sq).sum() if sq else torch.zeros((), device=dev)
+
+    def _dist_mode(self) -> str | None:
+        """None (single process), ``"replicated"`` (DDP) or ``"sharded"`` (see the base class)."""
+        if not self._distributed_active():
+            return None
+        return "sharded" if self._distributed == "sharded" else "replicated"
 
     def _accumulate_mp(self, optimizer: torch.optim.Optimizer) -> None:
         assert self._scale is not None
@@ -308,6 +332,16 @@ class NormRatioStrategy(Strategy):
         assert self._scale is not None and self._growth_tracker is not None
         probed = self._ref_sumsq is not None
         zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        mode = self._dist_mode()
+        if probed and mode is not None:
+            # Every rank takes the same decision: the norms are reduced like the statistics
+            # (replicated: MAX, the values agree unless a rank's gradient was changed after
+            # backward; sharded: SUM of the ranks' disjoint shares).
+            assert self._ref_sumsq is not None
+            pair = torch.stack([self._ref_sumsq.float(),
+                                (self._mp_sumsq if self._mp_sumsq is not None else zero).float()])
+            dist.all_reduce(pair, op=dist.ReduceOp.SUM if mode == "sharded" else dist.ReduceOp.MAX)
+            self._ref_sumsq, self._mp_sumsq = pair[0], pair[1]
         args = (
             self._scale, self._growth_tracker, self._log_ratio_ema, self._ema_steps, self._last_ratio,
             found_inf,

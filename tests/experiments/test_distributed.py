@@ -32,11 +32,7 @@ SPIKE_STEP = 5  # rank 1's gradient gets a finite x1000 spike (last step: parame
 # so the reference path runs under DDP on the Inf and spike steps too.
 EXTRA_KWARGS: dict[str, dict[str, Any]] = {"norm_ratio": {"probe_interval": 1}}
 # Known gaps, reported to the strategies' owner; strict, so the test flags the fix (XPASS fails).
-NOT_YET_SYNCED = {
-    "norm_ratio": "norm_ratio's probe norms (fp32 reference sum of squares from the rank's own batch, "
-    "and the mixed-precision one) are not all-reduced, so ranks compute different ratios and, on a "
-    "rank-local spike, different scales",
-}
+NOT_YET_SYNCED: dict[str, str] = {}
 
 
 def _registry_params() -> list[Any]:
