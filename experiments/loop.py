@@ -154,11 +154,18 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
         info = dist.setup(device=str(cfg.device))
     except ValueError as exc:
         raise ConfigError(" ".join(str(exc).split())) from None
-    out_dir = Path(dist.broadcast_object(str(Path(out_dir).resolve()), info))
-    tcfg, rcfg = cfg.train, cfg.regime
-    names = _names(cfg)
+    try:
+        return _resume_and_train(cfg, out_dir, list(overrides), info, precision)
+    finally:
+        dist.cleanup()
 
-    # Resume state first: a bad checkpoint must fail before anything in out_dir is touched.
+
+def _resume_and_train(
+    cfg: DictConfig, out_dir: str | Path, overrides: list[str], info: dist.DistInfo, precision: Any
+) -> dict:
+    """Load the checkpoint (if any) before touching ``out_dir``, then train."""
+    out_dir = Path(dist.broadcast_object(str(Path(out_dir).resolve()), info))
+    tcfg = cfg.train
     ckpt_path = out_dir / ckpt.CHECKPOINT_NAME
     state = None
     if tcfg.get("resume", True) and ckpt_path.exists():
@@ -180,11 +187,10 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
     try:
-        return _train(cfg, out_dir, list(overrides), info, precision, names, state)
+        return _train(cfg, out_dir, overrides, info, precision, _names(cfg), state)
     finally:
         torch.use_deterministic_algorithms(prev_det)
         torch.set_num_threads(prev_threads)
-        dist.cleanup()
 
 
 def _train(
