@@ -1,0 +1,46 @@
+"""scalelab-bench runs end to end on tiny sizes and writes every row it promises (no timing
+assertions: benchmarks report numbers, tests check structure)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import strategies
+from experiments import bench
+
+
+def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert bench.main(["--sizes", "3000,20K", "--repeats", "1", "--steps", "1", "--tensors", "4",
+                       "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    names = {r["name"] for r in data["overhead"]}
+    assert names == {"none", "GradScaler", *strategies.available()}
+    assert {r["size"] for r in data["overhead"]} == {3000, 20_000}
+    gs = [r for r in data["overhead"] if r["name"] == "GradScaler"]
+    assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in gs)
+    assert all(r["median_ms"] > 0 for r in data["overhead"])
+    assert [r["size"] for r in data["stats_pass"]] == [3000, 20_000]
+    for r in data["stats_pass"]:
+        assert r["fused_over_foreach_mul"] == pytest.approx(r["fused_ms"] / r["foreach_mul_ms"])
+    table = capsys.readouterr().out
+    assert "GradScaler" in table and "fused/mul" in table
+
+
+@pytest.mark.parametrize("text,value", [("50M", 50_000_000), ("250K", 250_000), ("1000", 1000), ("1.5M", 1_500_000)])
+def test_parse_size(text, value):
+    assert bench.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-3M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="sizes must"):
+        bench.parse_size(text)
+
+
+def test_rejects_unknown_strategy(tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--sizes", "1000", "--strategies", "nope", "--out", str(tmp_path / "x.json")])
