@@ -241,7 +241,7 @@ def _train(
     spike_steps = set(rcfg.spike_steps)
     spike_factor = float(rcfg.spike_factor)
     rescale = bool(rcfg.get("rescale_grads", True))
-    batch: dict[str, torch.Tensor] = {}
+    batch: dict[str, Any] = {}  # the current step's inputs, targets and loss multiplier
 
     if callable(getattr(strategy, "set_reference", None)):
 
@@ -332,7 +332,7 @@ def _train(
                 hooks.reset()
             m = multiplier * (spike_factor if step in spike_steps else 1.0)
             x, y = dist.shard_batch(data.batch(int(tcfg.batch_size), step_generator(seed, step)), info)
-            batch.update(x=x.to(device), y=y.to(device), m=torch.tensor(m, device=device))
+            batch.update(x=x.to(device), y=y.to(device), m=m)
             clock.reset()
             t0 = time.perf_counter()
             with precision.autocast_context(device):
