@@ -5,12 +5,15 @@ On first use it builds the extension from the sources in ``cuda/`` with
 when torch has CUDA and ``nvcc`` is found), into a stable per-machine-class build directory, and
 loads it. Later processes reuse the build (torch's file lock makes concurrent first builds, e.g.
 under pytest-xdist, safe). When no compiler is available or the build fails, every entry point
-returns ``None`` and callers use their plain-torch path; a one-time ``RuntimeWarning`` says why.
+returns ``None`` (stats) or ``False`` (updates) and callers use their plain-torch path; a
+one-time ``RuntimeWarning`` says why.
 
 Environment:
 
 * ``SCALELAB_KERNELS=0`` — never build or load; always the plain-torch path.
-* ``SCALELAB_EXT_DIR`` — build directory (default ``~/.cache/scalelab/ext/<torch>-<device>-<isa>``).
+* ``SCALELAB_EXT_DIR`` — build root (``cpu/`` and ``cuda/`` builds beneath it; default
+  ``~/.cache/scalelab/ext/<torch>-<cpu|cuXY>-<isa>-<python>``). If the CUDA part fails to build,
+  the CPU ops are built alone (with a warning).
 * ``SCALELAB_CUDA_SRC`` — the ``cuda/`` source folder, for installs where it is not beside
   this package (an editable install finds it at ``<repo>/cuda``).
 * ``SCALELAB_KERNELS_VERBOSE=1`` — show the compiler output.
@@ -72,12 +75,14 @@ def _use_cuda() -> bool:
     return torch.version.cuda is not None and torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
 
 
-def build_directory() -> Path:
+def build_directory(with_cuda: bool | None = None) -> Path:
     """Stable build folder, one per (torch version, CUDA or not, CPU instruction set, Python)."""
+    if with_cuda is None:
+        with_cuda = _use_cuda()
     env = os.environ.get("SCALELAB_EXT_DIR")
     if env:
-        return Path(env)
-    dev = f"cu{torch.version.cuda.replace('.', '')}" if _use_cuda() else "cpu"
+        return Path(env) / ("cuda" if with_cuda else "cpu")
+    dev = f"cu{torch.version.cuda.replace('.', '')}" if with_cuda else "cpu"
     tag = f"torch{torch.__version__.split('+')[0]}-{dev}-{_isa().lower()}-py{sys.version_info[0]}{sys.version_info[1]}"
     return Path.home() / ".cache" / "scalelab" / "ext" / tag
 
@@ -93,11 +98,10 @@ def _sources(with_cuda: bool) -> list[str]:
     return [str(f) for f in files]
 
 
-def _build() -> None:
+def _build(with_cuda: bool) -> None:
     from torch.utils import cpp_extension
 
-    with_cuda = _use_cuda()
-    build_dir = build_directory()
+    build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     cflags = ["-O3", "-ffp-contract=off", "-fopenmp", *_X86_FLAGS.get(_isa(), [])]
     if with_cuda:
@@ -130,7 +134,15 @@ def load() -> bool:
             _loaded, _reason = False, "disabled by SCALELAB_KERNELS=0"
             return False
         try:
-            _build()
+            try:
+                _build(_use_cuda())
+            except Exception as exc:
+                if not _use_cuda():
+                    raise
+                # The CUDA part failed (nvcc / host compiler mismatch, ...): keep the CPU twin.
+                warnings.warn(f"scalelab: CUDA kernels failed to build ({type(exc).__name__}); "
+                              "building the CPU ops only", RuntimeWarning, stacklevel=3)
+                _build(False)
             _loaded = hasattr(torch.ops.scalelab, "unscale_and_stats")
             if not _loaded:
                 _reason = "the built library registered no scalelab ops"
