@@ -1,0 +1,98 @@
+"""``+experiment=compare`` (and its fp32 reference) expand to the documented grid.
+
+The grid is expanded the way ``scalelab-train -m`` expands it: the composed
+``hydra.sweeper.params`` go through Hydra's override parser (with a config loader, so
+``glob(*)`` lists the config group's options) and ``BasicSweeper.split_arguments`` -- the code path
+of Hydra 1.3's basic sweeper -- and every job is then composed with the compose API.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import create_config_search_path
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.train import CONF_DIR, group_options
+
+REGIMES = ["plain", "small_grad"]
+SEEDS = [0, 1, 2]
+
+
+def _compose(conf_dir: Path, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def expand(experiment: str, conf_dir: Path = CONF_DIR) -> list[dict[str, str]]:
+    """The jobs ``scalelab-train -m +experiment=<experiment>`` launches, as override dicts."""
+    cfg = _compose(conf_dir, [f"+experiment={experiment}"])
+    params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(conf_dir)))
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(params)
+    (jobs,) = BasicSweeper.split_arguments(overrides, max_batch_size=None)
+    return [dict(o.split("=", 1) for o in job) for job in jobs]
+
+
+def _grid(jobs: list[dict[str, str]]) -> list[tuple[str, str, str, int]]:
+    return sorted((j["precision"], j["regime"], j["strategy"], int(j["seed"])) for j in jobs)
+
+
+def test_compare_is_every_strategy_in_fp16_by_regime_and_seed() -> None:
+    strategies = group_options("strategy")
+    assert "none" in strategies and len(strategies) >= 2
+    expected = sorted(itertools.product(["fp16"], REGIMES, strategies, SEEDS))
+    assert _grid(expand("compare")) == expected
+
+
+def test_compare_fp32_is_one_unscaled_fp32_run_per_regime_and_seed() -> None:
+    assert _grid(expand("compare_fp32")) == sorted(itertools.product(["fp32"], REGIMES, ["none"], SEEDS))
+
+
+def test_tiny_variants_have_the_same_grids() -> None:
+    assert _grid(expand("compare_tiny")) == _grid(expand("compare"))
+    assert _grid(expand("compare_tiny_fp32")) == _grid(expand("compare_fp32"))
+
+
+def _job_cfg(experiment: str, job: dict[str, str]) -> DictConfig:
+    return _compose(CONF_DIR, [f"+experiment={experiment}", *(f"{k}={v}" for k, v in job.items())])
+
+
+def _workload(cfg: DictConfig) -> dict:
+    """Everything but the arm (precision, strategy) and Hydra's own node."""
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(plain, dict)
+    return {k: v for k, v in plain.items() if k not in ("precision", "strategy", "hydra")}
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_reference_runs_the_same_workload_as_the_fp16_arms(regime: str) -> None:
+    fp16 = {j["strategy"]: _job_cfg("compare", j) for j in expand("compare") if j["regime"] == regime and j["seed"] == "0"}
+    (ref_job,) = [j for j in expand("compare_fp32") if j["regime"] == regime and j["seed"] == "0"]
+    ref = _job_cfg("compare_fp32", ref_job)
+    assert ref.precision.name == "fp32" and ref.hydra.runtime.choices.strategy == "none"
+    for name, cfg in fp16.items():
+        assert cfg.precision.name == "fp16"
+        assert cfg.hydra.runtime.choices.strategy == name
+        assert _workload(cfg) == _workload(ref), f"fp16-{name} and the fp32 reference differ beyond the arm"
+    assert ref.model.name == "gpt" and ref.data.name == "stdlib_chars" and ref.sweep == "compare"
+    assert ref.regime.name == regime
+    if regime == "small_grad":
+        assert ref.regime.loss_multiplier == pytest.approx(1e-6)
+    assert ref.hydra.launcher._target_.endswith("JoblibLauncher")
+
+
+def test_a_new_strategy_yaml_joins_the_comparison(tmp_path: Path) -> None:
+    """glob(*) over conf/strategy: dropping in a YAML adds its arm, with no edit to compare.yaml."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    shutil.copy(conf / "strategy" / "native.yaml", conf / "strategy" / "zz_new_rule.yaml")
+    arms = {j["strategy"] for j in expand("compare", conf)}
+    assert arms == set(group_options("strategy")) | {"zz_new_rule"}
