@@ -1,7 +1,8 @@
 // CPU twin of the fused statistics pass: scalelab::unscale_and_stats for CPU tensors.
 //
 // One read/write pass over every gradient, split into fixed chunks that the intra-op threads
-// (at::parallel_for) claim one at a time. Per chunk, 16-lane accumulators (auto-vectorised by the compiler)
+// (at::parallel_for) claim one at a time. Per chunk, lane accumulators (AVX-512 or AVX2
+// intrinsics where the build targets them, else a portable 16-lane body the compiler vectorises)
 // gather, for the values as they arrived: non-finite flag, zero count, subnormal count
 // (0 < |x| < 2^-14); and for the unscaled values y = cast(x * inv) as stored: abs-max (NaN
 // tracked separately and propagated) and sum of squares (float within 256-element sub-blocks,
@@ -19,7 +20,7 @@
 #include <atomic>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -261,12 +262,112 @@ void chunk_pass_avx512(typename E::Raw* __restrict p, int64_t n, float inv, Part
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__F16C__)
+// ---- AVX2 path: 8 lanes; masks are all-ones lanes, counts subtract them --------------------------
+inline double flush8(__m256 v) {
+  const __m256d s = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+inline int64_t hsum8(__m256i v) {
+  alignas(32) int32_t a[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(a), v);
+  int64_t t = 0;
+  for (int l = 0; l < 8; ++l) t += a[l];
+  return t;
+}
+
+template <typename E> struct Vec8;
+template <> struct Vec8<Elem<float>> {
+  static inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline __m256 store(float* p, __m256 v) { _mm256_storeu_ps(p, v); return v; }
+};
+template <> struct Vec8<Elem<uint16_t>> {
+  static inline __m256 load(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline __m256 store(uint16_t* p, __m256 v) {
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    return _mm256_cvtph_ps(h);
+  }
+};
+template <> struct Vec8<Elem<BF16Tag>> {
+  static inline __m256 load(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static inline __m256 store(uint16_t* p, __m256 v) {  // round to nearest even, NaN -> 0x7fc0
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(kAbsMask)),
+                                           _mm256_set1_epi32(kExpMask));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, _mm256_setzero_si256()), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+  }
+};
+
+template <typename E, bool kWrite>
+void chunk_pass_avx2(typename E::Raw* __restrict p, int64_t n, float inv, Partial& out) {
+  // |x| bits are <= 0x7fffffff, so signed 32-bit compares order them correctly.
+  const __m256i abs_mask = _mm256_set1_epi32(kAbsMask), exp_lo = _mm256_set1_epi32(kExpMask - 1);
+  const __m256i exp_mask = _mm256_set1_epi32(kExpMask), tiny_lim = _mm256_set1_epi32(kFp16MinNormalBits);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  __m256 mx0 = _mm256_setzero_ps(), mx1 = mx0, ss0 = mx0, ss1 = mx0;
+  __m256i zc = _mm256_setzero_si256(), below = zc, bad = zc, nanv = zc;
+  double sumsq = 0.0;
+  int blocks = 0;
+  auto body = [&](typename E::Raw* q, __m256& mx, __m256& ss) {
+    __m256 v = Vec8<E>::load(q);
+    const __m256i ab = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+    bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(ab, exp_lo));
+    zc = _mm256_sub_epi32(zc, _mm256_cmpeq_epi32(ab, _mm256_setzero_si256()));
+    below = _mm256_sub_epi32(below, _mm256_cmpgt_epi32(tiny_lim, ab));  // zeros included
+    if (kWrite) v = Vec8<E>::store(q, _mm256_mul_ps(v, vinv));
+    const __m256i ub = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+    nanv = _mm256_or_si256(nanv, _mm256_cmpgt_epi32(ub, exp_mask));
+    mx = _mm256_max_ps(_mm256_castsi256_ps(ub), mx);  // NaN lane keeps mx (tracked in nanv)
+    ss = _mm256_add_ps(ss, _mm256_mul_ps(v, v));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    body(p + i, mx0, ss0);
+    body(p + i + 8, mx1, ss1);
+    if (++blocks == kFlushBlocks) {
+      sumsq += flush8(ss0) + flush8(ss1);
+      ss0 = _mm256_setzero_ps();
+      ss1 = _mm256_setzero_ps();
+      blocks = 0;
+    }
+  }
+  sumsq += flush8(ss0) + flush8(ss1);
+  Partial tail;
+  chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 16 elements
+  alignas(32) float m[8];
+  _mm256_store_ps(m, _mm256_max_ps(mx0, mx1));
+  float am = tail.absmax;
+  for (int l = 0; l < 8; ++l) am = m[l] > am ? m[l] : am;
+  const int64_t zeros = hsum8(zc);
+  out.absmax = am;
+  out.sumsq = sumsq + tail.sumsq;
+  out.zeros = zeros + tail.zeros;
+  out.tiny = hsum8(below) - zeros + tail.tiny;
+  out.nonfinite = !_mm256_testz_si256(bad, bad) || tail.nonfinite;
+  out.nan = !_mm256_testz_si256(nanv, nanv) || tail.nan;
+}
+#define SCALELAB_STATS_AVX2 1
+#endif
+
 template <typename E>
 void run_chunk(void* base, int64_t n, float inv, Partial& out) {
   auto* p = static_cast<typename E::Raw*>(base);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (inv == 1.f) chunk_pass_avx512<E, false>(p, n, inv, out);
   else chunk_pass_avx512<E, true>(p, n, inv, out);
+#elif defined(SCALELAB_STATS_AVX2)
+  if (inv == 1.f) chunk_pass_avx2<E, false>(p, n, inv, out);
+  else chunk_pass_avx2<E, true>(p, n, inv, out);
 #else
   if (inv == 1.f) chunk_pass<E, false>(p, n, inv, out);
   else chunk_pass<E, true>(p, n, inv, out);
