@@ -214,7 +214,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "kernels_available": kernels.available(),
     }
     try:
-        info["loadavg_1_5_15"] = list(os.getloadavg())
+        info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
     return info
@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ["none", "GradScaler", *chosen]
 
     kernels.load()  # build/load before timing anything
+    load_before = machine_info().get("loadavg_1_5_15")
     overhead: list[dict[str, Any]] = []
     stats_rows: list[dict[str, Any]] = []
     with warnings.catch_warnings():
@@ -266,9 +267,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring {human(size)} parameters in {tensors} tensors ...", file=sys.stderr, flush=True)
             overhead += bench_overhead(size, tensors, names, repeats, args.steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
-    result = {"meta": {**machine_info(), "repeats": repeats, "steps": args.steps, "argv": sys.argv[1:]},
+    meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": args.steps,
+            "argv": sys.argv[1:] if argv is None else argv}
+    result = {"meta": meta,
               "overhead": overhead, "stats_pass": stats_rows}
     print(format_tables(overhead, stats_rows, names))
+    la = meta.get("loadavg_1_5_15")
+    if la:
+        print(f"\nload average (1/5/15 min) before: {load_before}, after: {[round(x, 2) for x in la]}; "
+              f"{meta['cpu_count']} CPUs, torch threads {meta['torch_threads']}, CPU capability {meta['cpu_capability']}")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {args.out}", file=sys.stderr)
