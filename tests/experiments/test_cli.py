@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,18 @@ def test_wandb_offline_run_directory_has_the_logged_keys(tmp_path: Path, monkeyp
                              "train.log_every=3", "train.hist_every=3", "sweep=wbtest")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
-    records = [_parse_record(data) for data in _wandb_log_records(next(runs[0].glob("run-*.wandb")))]
+    wb_file = next(runs[0].glob("run-*.wandb"))
+    # run.finish() can return before W&B's service process has written the file; it is complete
+    # once the service shuts down (at process exit; here: teardown). Then wait for the exit record.
+    import wandb
+
+    wandb.teardown()
+    deadline = time.monotonic() + 60
+    while True:
+        records = [_parse_record(data) for data in _wandb_log_records(wb_file)]
+        if any(rec.WhichOneof("record_type") == "exit" for rec in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     logged = {item.key or "/".join(item.nested_key)
               for rec in records if rec.WhichOneof("record_type") == "history" for item in rec.history.item}
     runs_info = [rec.run for rec in records if rec.WhichOneof("record_type") == "run"]
