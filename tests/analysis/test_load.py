@@ -1,0 +1,173 @@
+"""Loading run records: every run kept and labelled, corrupt lines skipped and reported."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from analysis.load import RunLoadError, load_runs, load_wandb, wandb_rows_to_lines
+from tests.analysis.synth import LAYERS, WORKLOAD, SweepSpec, write_sweep
+
+
+def test_every_run_is_kept_with_its_status(sweep):
+    root, info = sweep
+    rs = load_runs(root)
+    assert len(rs.runs) == info["n_runs"]
+    status = dict(zip(rs.runs["run_id"], rs.runs["status"]))
+    ex = info["extras"]
+    assert status[f"synthetic/{ex['failed']}"] == "failed"
+    assert status[f"synthetic/{ex['diverged']}"] == "diverged"
+    assert status[f"synthetic/{ex['incomplete']}"] == "incomplete"
+    assert status[f"synthetic/{ex['no_records']}"] == "incomplete"
+    assert sum(s == "completed" for s in status.values()) == info["n_runs"] - 4
+    failed = rs.runs[rs.runs["status"] == "failed"].iloc[0]
+    assert "synthetic failure" in failed["error"]
+
+
+def test_summary_values_round_trip(sweep):
+    root, info = sweep
+    rs = load_runs(root)
+    done = rs.runs[rs.runs["status"] == "completed"]
+    for (strategy, precision), finals in info["finals"].items():
+        got = done[(done["strategy"] == strategy) & (done["precision"] == precision)]
+        assert sorted(got["final_eval_loss"]) == pytest.approx(sorted(finals))
+        assert set(got["workload"]) == {WORKLOAD}
+
+
+def test_identity_of_a_run_without_summary_comes_from_hydra_overrides(sweep):
+    root, info = sweep
+    rs = load_runs(root)
+    row = rs.runs[rs.runs["run_id"] == f"synthetic/{info['extras']['no_records']}"].iloc[0]
+    assert (row["strategy"], row["precision"], row["seed"]) == ("layerwise", "fp16", 96)
+    assert row["error"] == "no summary.json"
+
+
+def test_corrupt_line_is_skipped_and_reported(sweep):
+    root, info = sweep
+    rs = load_runs(root)
+    inc = f"synthetic/{info['extras']['incomplete']}"
+    assert len(rs.problems) == 1 and "corrupt line skipped" in rs.problems[0]
+    steps = rs.train[rs.train["run_id"] == inc]["step"].tolist()
+    assert steps == [5, 10, 15, 20]  # the truncated step-25 line is gone, the rest kept
+
+
+def test_step_tables_are_tidy(sweep):
+    root, _ = sweep
+    rs = load_runs(root)
+    one = rs.runs[(rs.runs["strategy"] == "layerwise") & (rs.runs["status"] == "completed")]
+    rid = one["run_id"].iloc[0]
+    train = rs.train[rs.train["run_id"] == rid]
+    assert train["step"].tolist() == list(range(5, 41, 5))
+    layers = rs.layers[rs.layers["run_id"] == rid]
+    assert len(layers) == len(train) * len(LAYERS)
+    assert layers.groupby("layer")["layer_order"].first().to_dict() == {n: i for i, n in
+                                                                        enumerate(LAYERS)}
+    gs = rs.group_scales[rs.group_scales["run_id"] == rid]
+    first = gs[gs["step"] == 5].sort_values("group_order")
+    assert first["group"].tolist() == list(LAYERS)
+    assert first["scale"].tolist() == [65536.0, 32768.0, 16384.0]
+    # per-run aggregate = mean over steps of the mean over layers
+    assert one["act_zero_frac_mean"].iloc[0] == pytest.approx(layers["act_zero_frac"].mean())
+    evals = rs.evals[rs.evals["run_id"] == rid]
+    assert evals["step"].tolist() == [20, 40]
+    assert evals["eval_loss"].iloc[-1] == pytest.approx(one["final_eval_loss"].iloc[0])
+    hist = rs.exp_hist[rs.exp_hist["run_id"] == rid]
+    assert set(hist["step"]) == {5, 15, 25, 35}  # every other logged step carries a histogram
+    assert rs.group_scales[rs.group_scales["strategy"] != "layerwise"].empty
+
+
+def test_non_finite_values_survive(tmp_path: Path):
+    write_sweep(tmp_path / "s", SweepSpec(true_loss={"native": 0.7}, seeds=1, extras=True,
+                                          fp32_reference=False))
+    rs = load_runs(tmp_path / "s")
+    div = rs.train[rs.train["status"] == "diverged"]
+    assert math.isinf(div["loss"].iloc[-1])
+
+
+def test_several_sweeps_keep_distinct_ids(tmp_path: Path):
+    spec = SweepSpec(true_loss={"native": 0.7}, seeds=2, extras=False, fp32_reference=False)
+    write_sweep(tmp_path / "a", spec)
+    write_sweep(tmp_path / "b", spec)
+    rs = load_runs([tmp_path / "a", tmp_path / "b"])
+    assert len(rs.runs) == 4 and rs.runs["run_id"].is_unique
+    assert {r.split("/")[0] for r in rs.runs["run_id"]} == {"a", "b"}
+
+
+def test_missing_and_empty_directories_raise_clear_errors(tmp_path: Path):
+    with pytest.raises(RunLoadError, match="does not exist"):
+        load_runs(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunLoadError, match="no run records"):
+        load_runs(tmp_path / "empty")
+
+
+def test_unreadable_summary_is_reported_and_run_kept(tmp_path: Path):
+    write_sweep(tmp_path / "s", SweepSpec(true_loss={"native": 0.7}, seeds=1, extras=False,
+                                          fp32_reference=False))
+    (tmp_path / "s" / "0" / "summary.json").write_text("{not json", encoding="utf-8")
+    rs = load_runs(tmp_path / "s")
+    assert rs.runs["status"].tolist() == ["incomplete"]
+    assert rs.runs["strategy"].tolist() == ["native"]  # from .hydra/overrides.yaml
+    assert any("unreadable summary" in p for p in rs.problems)
+
+
+def test_wandb_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(RunLoadError, match="WANDB_MODE=offline"):
+        load_wandb("me/scalelab", group="compare")
+    with pytest.raises(RunLoadError, match="entity/project"):
+        load_wandb("just-a-project")
+
+
+def test_wandb_rows_map_back_to_run_record_lines(sweep):
+    """W&B flattens nested dicts (``act_zero_frac/fc1``); the loader folds them back."""
+    root, _ = sweep
+    line = json.loads((root / "0" / "metrics.jsonl").read_text().splitlines()[0])
+    flat = {k: v for k, v in line.items() if k not in ("act_zero_frac", "kind")}
+    flat.update({f"act_zero_frac/{k}": v for k, v in line["act_zero_frac"].items()})
+    flat["_step"] = 123
+    (back,) = list(wandb_rows_to_lines([flat]))
+    assert back["kind"] == "train" and back["step"] == line["step"]
+    assert back["act_zero_frac"] == line["act_zero_frac"]
+    assert back["act_exp_hist"] == line["act_exp_hist"]
+
+
+class _WandbRun:
+    """The attributes of ``wandb.apis.public.Run`` that :func:`load_wandb` reads."""
+
+    def __init__(self, run_dir: Path, rid: str, state: str) -> None:
+        self.id, self.state, self.url, self.group = rid, state, f"https://wandb/{rid}", "g"
+        self.summary = json.loads((run_dir / "summary.json").read_text())
+        self.config = {}
+        self._rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                      if x.strip().endswith("}")]
+
+    def scan_history(self):
+        return iter(self._rows)
+
+
+class _WandbApi:
+    def __init__(self, runs):
+        self._runs = runs
+        self.calls = []
+
+    def runs(self, path, filters=None):
+        self.calls.append((path, filters))
+        return self._runs
+
+
+def test_wandb_runs_load_like_local_runs(sweep):
+    root, info = sweep
+    finished = _WandbRun(root / "0", "a1", "finished")
+    running = _WandbRun(root / info["extras"]["incomplete"], "b2", "crashed")
+    api = _WandbApi([finished, running])
+    rs = load_wandb("me/scalelab", group="compare", api=api)
+    local = load_runs(root)
+    assert api.calls == [("me/scalelab", {"group": "compare"})]
+    assert rs.runs["status"].tolist() == ["completed", "incomplete"]
+    a = rs.train[rs.train["run_id"] == "me/scalelab/a1"].drop(columns=["run_id"])
+    b = local.train[local.train["run_id"] == "synthetic/0"].drop(columns=["run_id"])
+    assert a.reset_index(drop=True).equals(b.reset_index(drop=True))
