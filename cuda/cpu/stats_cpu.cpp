@@ -56,6 +56,7 @@ template <> struct Elem<float> {
   }
   static inline float load1(const Raw* p) { return *p; }
   static inline float store1(Raw* p, float v) { *p = v; return v; }
+  static inline float round1(float v) { return v; }
 };
 
 template <> struct Elem<uint16_t /* float16 bits */> {
@@ -80,6 +81,7 @@ template <> struct Elem<uint16_t /* float16 bits */> {
 #endif
   }
   static inline float load1(const Raw* p) { return fp16_bits_to_float(*p); }
+  static inline float round1(float v) { return fp16_bits_to_float(float_to_fp16_bits(v)); }
   static inline float store1(Raw* p, float v) {
     *p = float_to_fp16_bits(v);
     return fp16_bits_to_float(*p);
@@ -99,6 +101,7 @@ template <> struct Elem<BF16Tag> {
     }
   }
   static inline float load1(const Raw* p) { return bf16_bits_to_float(*p); }
+  static inline float round1(float v) { return bf16_bits_to_float(float_to_bf16_bits(v)); }
   static inline float store1(Raw* p, float v) {
     *p = float_to_bf16_bits(v);
     return bf16_bits_to_float(*p);
@@ -171,6 +174,23 @@ void chunk_pass(typename E::Raw* __restrict p, int64_t n, float inv, Partial& ou
   out.nan = nn != 0;
 }
 
+// Combine a vector body's results with its scalar tail. `max_bits` is the largest arrived |x|
+// bit pattern: > Inf means a NaN arrived, == Inf an Inf; otherwise the unscaled abs-max is
+// |x|max * |inv| rounded to the gradient's dtype (exact: rounding is monotone).
+template <typename E, bool kWrite>
+void finish_vector_part(uint32_t max_bits, int64_t zeros, int64_t tiny, double sumsq, float inv,
+                        const Partial& tail, Partial& out) {
+  const bool nan = max_bits > kExpMask;
+  float am = bits_float(max_bits > kExpMask ? 0u : max_bits);
+  if (kWrite) am = E::round1(am * (inv < 0.f ? -inv : inv));
+  out.absmax = am > tail.absmax ? am : tail.absmax;
+  out.sumsq = sumsq + tail.sumsq;
+  out.zeros = zeros + tail.zeros;
+  out.tiny = tiny + tail.tiny;
+  out.nonfinite = max_bits >= kExpMask || tail.nonfinite;
+  out.nan = nan || tail.nan;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Sum of 16 float lanes in double (lanes hold at most 8 squares each between flushes).
 inline double flush(__m512 v) {
@@ -215,30 +235,30 @@ template <> struct Vec<Elem<BF16Tag>> {
 
 template <typename E, bool kWrite>
 void chunk_pass_avx512(typename E::Raw* __restrict p, int64_t n, float inv, Partial& out) {
-  const __m512i abs_mask = _mm512_set1_epi32(kAbsMask), exp_mask = _mm512_set1_epi32(kExpMask);
-  const __m512i tiny_lim = _mm512_set1_epi32(kFp16MinNormalBits - 1u), one = _mm512_set1_epi32(1);
+  // Abs-max is taken on the *arrived* |x| bits with an unsigned max (Inf/NaN bits are the
+  // largest, so the same max also yields found_inf and the NaN flag) and mapped to the unscaled
+  // value at the end: rounding is monotone, so max_i |T(x_i * inv)| == |T(max_i |x_i| * inv)|
+  // exactly (run_chunk sends non-finite or zero inv to the per-element path).
+  const __m512i abs_mask = _mm512_set1_epi32(kAbsMask), below_lim = _mm512_set1_epi32(kFp16MinNormalBits);
+  const __m512i one = _mm512_set1_epi32(1);
   const __m512 vinv = _mm512_set1_ps(inv);
-  __m512 mx0 = _mm512_setzero_ps(), mx1 = _mm512_setzero_ps(), ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
-  __m512i zero0 = _mm512_setzero_si512(), zero1 = zero0, tiny0 = zero0, tiny1 = zero0;
-  __mmask16 bad = 0, nan = 0;
+  __m512 ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
+  __m512i mb0 = _mm512_setzero_si512(), mb1 = mb0, zero0 = mb0, zero1 = mb0, below0 = mb0, below1 = mb0;
   double sumsq = 0.0;
   int blocks = 0;
-  auto body = [&](typename E::Raw* q, __m512& mx, __m512& ss, __m512i& zc, __m512i& tc) {
+  auto body = [&](typename E::Raw* q, __m512i& mb, __m512& ss, __m512i& zc, __m512i& bc) {
     __m512 v = Vec<E>::load(q);
     const __m512i ab = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
-    bad |= _mm512_cmpge_epu32_mask(ab, exp_mask);
+    mb = _mm512_max_epu32(mb, ab);
     zc = _mm512_mask_add_epi32(zc, _mm512_cmpeq_epi32_mask(ab, _mm512_setzero_si512()), zc, one);
-    tc = _mm512_mask_add_epi32(tc, _mm512_cmplt_epu32_mask(_mm512_sub_epi32(ab, one), tiny_lim), tc, one);
+    bc = _mm512_mask_add_epi32(bc, _mm512_cmplt_epu32_mask(ab, below_lim), bc, one);  // zeros included
     if (kWrite) v = Vec<E>::store(q, _mm512_mul_ps(v, vinv));
-    const __m512i ub = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
-    nan |= _mm512_cmpgt_epu32_mask(ub, exp_mask);
-    mx = _mm512_max_ps(_mm512_castsi512_ps(ub), mx);  // NaN lane: keeps mx (tracked in nan)
-    ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+    ss = _mm512_fmadd_ps(v, v, ss);
   };
   int64_t i = 0;
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-    body(p + i, mx0, ss0, zero0, tiny0);
-    body(p + i + kLanes, mx1, ss1, zero1, tiny1);
+    body(p + i, mb0, ss0, zero0, below0);
+    body(p + i + kLanes, mb1, ss1, zero1, below1);
     if (++blocks == kFlushBlocks / 2) {
       sumsq += flush(ss0) + flush(ss1);
       ss0 = _mm512_setzero_ps();
@@ -249,20 +269,14 @@ void chunk_pass_avx512(typename E::Raw* __restrict p, int64_t n, float inv, Part
   sumsq += flush(ss0) + flush(ss1);
   Partial tail;
   chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 32 elements
-  float m[kLanes];
-  _mm512_storeu_ps(m, _mm512_max_ps(mx0, mx1));
-  float am = tail.absmax;
-  for (int l = 0; l < kLanes; ++l) am = m[l] > am ? m[l] : am;
-  out.absmax = am;
-  out.sumsq = sumsq + tail.sumsq;
-  out.zeros = _mm512_reduce_add_epi32(_mm512_add_epi32(zero0, zero1)) + tail.zeros;
-  out.tiny = _mm512_reduce_add_epi32(_mm512_add_epi32(tiny0, tiny1)) + tail.tiny;
-  out.nonfinite = bad != 0 || tail.nonfinite;
-  out.nan = nan != 0 || tail.nan;
+  const uint32_t mb = _mm512_reduce_max_epu32(_mm512_max_epu32(mb0, mb1));
+  const int64_t zeros = _mm512_reduce_add_epi32(_mm512_add_epi32(zero0, zero1));
+  finish_vector_part<E, kWrite>(mb, zeros, _mm512_reduce_add_epi32(_mm512_add_epi32(below0, below1)) - zeros,
+                                sumsq, inv, tail, out);
 }
 #endif
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__F16C__)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 // ---- AVX2 path: 8 lanes; masks are all-ones lanes, counts subtract them --------------------------
 inline double flush8(__m256 v) {
   const __m256d s = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
@@ -310,30 +324,27 @@ template <> struct Vec8<Elem<BF16Tag>> {
 
 template <typename E, bool kWrite>
 void chunk_pass_avx2(typename E::Raw* __restrict p, int64_t n, float inv, Partial& out) {
-  // |x| bits are <= 0x7fffffff, so signed 32-bit compares order them correctly.
-  const __m256i abs_mask = _mm256_set1_epi32(kAbsMask), exp_lo = _mm256_set1_epi32(kExpMask - 1);
-  const __m256i exp_mask = _mm256_set1_epi32(kExpMask), tiny_lim = _mm256_set1_epi32(kFp16MinNormalBits);
+  // As chunk_pass_avx512: abs-max, found_inf and NaN from an unsigned max of the arrived |x| bits.
+  // |x| bits are <= 0x7fffffff, so signed compares order them correctly.
+  const __m256i abs_mask = _mm256_set1_epi32(kAbsMask), below_lim = _mm256_set1_epi32(kFp16MinNormalBits);
   const __m256 vinv = _mm256_set1_ps(inv);
-  __m256 mx0 = _mm256_setzero_ps(), mx1 = mx0, ss0 = mx0, ss1 = mx0;
-  __m256i zc = _mm256_setzero_si256(), below = zc, bad = zc, nanv = zc;
+  __m256 ss0 = _mm256_setzero_ps(), ss1 = ss0;
+  __m256i mb = _mm256_setzero_si256(), zc = mb, below = mb;
   double sumsq = 0.0;
   int blocks = 0;
-  auto body = [&](typename E::Raw* q, __m256& mx, __m256& ss) {
+  auto body = [&](typename E::Raw* q, __m256& ss) {
     __m256 v = Vec8<E>::load(q);
     const __m256i ab = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
-    bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(ab, exp_lo));
+    mb = _mm256_max_epu32(mb, ab);
     zc = _mm256_sub_epi32(zc, _mm256_cmpeq_epi32(ab, _mm256_setzero_si256()));
-    below = _mm256_sub_epi32(below, _mm256_cmpgt_epi32(tiny_lim, ab));  // zeros included
+    below = _mm256_sub_epi32(below, _mm256_cmpgt_epi32(below_lim, ab));  // zeros included
     if (kWrite) v = Vec8<E>::store(q, _mm256_mul_ps(v, vinv));
-    const __m256i ub = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
-    nanv = _mm256_or_si256(nanv, _mm256_cmpgt_epi32(ub, exp_mask));
-    mx = _mm256_max_ps(_mm256_castsi256_ps(ub), mx);  // NaN lane keeps mx (tracked in nanv)
-    ss = _mm256_add_ps(ss, _mm256_mul_ps(v, v));
+    ss = _mm256_fmadd_ps(v, v, ss);
   };
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    body(p + i, mx0, ss0);
-    body(p + i + 8, mx1, ss1);
+    body(p + i, ss0);
+    body(p + i + 8, ss1);
     if (++blocks == kFlushBlocks) {
       sumsq += flush8(ss0) + flush8(ss1);
       ss0 = _mm256_setzero_ps();
@@ -344,17 +355,12 @@ void chunk_pass_avx2(typename E::Raw* __restrict p, int64_t n, float inv, Partia
   sumsq += flush8(ss0) + flush8(ss1);
   Partial tail;
   chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 16 elements
-  alignas(32) float m[8];
-  _mm256_store_ps(m, _mm256_max_ps(mx0, mx1));
-  float am = tail.absmax;
-  for (int l = 0; l < 8; ++l) am = m[l] > am ? m[l] : am;
+  alignas(32) uint32_t m[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(m), mb);
+  uint32_t mbits = 0;
+  for (int l = 0; l < 8; ++l) mbits = m[l] > mbits ? m[l] : mbits;
   const int64_t zeros = hsum8(zc);
-  out.absmax = am;
-  out.sumsq = sumsq + tail.sumsq;
-  out.zeros = zeros + tail.zeros;
-  out.tiny = hsum8(below) - zeros + tail.tiny;
-  out.nonfinite = !_mm256_testz_si256(bad, bad) || tail.nonfinite;
-  out.nan = !_mm256_testz_si256(nanv, nanv) || tail.nan;
+  finish_vector_part<E, kWrite>(mbits, zeros, hsum8(below) - zeros, sumsq, inv, tail, out);
 }
 #define SCALELAB_STATS_AVX2 1
 #endif
@@ -362,16 +368,22 @@ void chunk_pass_avx2(typename E::Raw* __restrict p, int64_t n, float inv, Partia
 template <typename E>
 void run_chunk(void* base, int64_t n, float inv, Partial& out) {
   auto* p = static_cast<typename E::Raw*>(base);
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(SCALELAB_STATS_AVX2)
+  // The vector bodies derive the unscaled abs-max from the arrived one, which needs a finite,
+  // nonzero inv (0 * Inf or x * Inf could create NaNs); any other inv takes the per-element path.
+  if (is_finite(inv) && inv != 0.f) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (inv == 1.f) chunk_pass_avx512<E, false>(p, n, inv, out);
-  else chunk_pass_avx512<E, true>(p, n, inv, out);
-#elif defined(SCALELAB_STATS_AVX2)
-  if (inv == 1.f) chunk_pass_avx2<E, false>(p, n, inv, out);
-  else chunk_pass_avx2<E, true>(p, n, inv, out);
+    if (inv == 1.f) chunk_pass_avx512<E, false>(p, n, inv, out);
+    else chunk_pass_avx512<E, true>(p, n, inv, out);
 #else
+    if (inv == 1.f) chunk_pass_avx2<E, false>(p, n, inv, out);
+    else chunk_pass_avx2<E, true>(p, n, inv, out);
+#endif
+    return;
+  }
+#endif
   if (inv == 1.f) chunk_pass<E, false>(p, n, inv, out);
   else chunk_pass<E, true>(p, n, inv, out);
-#endif
 }
 
 struct Work {
