@@ -273,6 +273,7 @@ def _submitit_task() -> tuple[int, int, int, float]:
         D.cleanup()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_submitit_tasks_form_one_process_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A submitit job with tasks_per_node=2 (hydra/launcher=slurm with tasks_per_node=2 on a
@@ -285,3 +286,39 @@ def test_submitit_tasks_form_one_process_group(tmp_path: Path, monkeypatch: pyte
     executor.update_parameters(tasks_per_node=2, timeout_min=5)
     job = executor.submit(_submitit_task)
     assert sorted(job.results()) == [(0, 2, 0, 3.0), (1, 2, 1, 3.0)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_two_ranks_match_one_process(tmp_path: Path) -> None:
+    """`torchrun --nproc_per_node=2 -m experiments.train` (DDP, gloo): each rank trains on half of
+    the same global batch, DDP averages the gradients, so the run matches a one-process run on the
+    whole batch up to summation order; only rank 0 writes the run record."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.experiments.runs import QUIET, REPO, TINY, cli
+
+    args = [*TINY["gpt"], *QUIET, "precision=fp32", "strategy=native", "train.steps=8", "train.log_every=2",
+            "train.eval_every=0", "train.checkpoint_every=0"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    ddp = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "experiments.train",
+         *args, f"hydra.run.dir={tmp_path / 'ddp'}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = cli(*args, f"hydra.run.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    runs = {}
+    for name in ("ddp", "single"):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [r for r in rows if r["kind"] == "train"], json.loads((tmp_path / name / "summary.json").read_text())
+    (ddp_rows, ddp_sum), (one_rows, one_sum) = runs["ddp"], runs["single"]
+    assert ddp_sum["status"] == one_sum["status"] == "completed"
+    assert [r["step"] for r in ddp_rows] == [r["step"] for r in one_rows] == [2, 4, 6, 8]  # one writer, no duplicates
+    assert [r["scale"] for r in ddp_rows] == [r["scale"] for r in one_rows]
+    for a, b in zip(ddp_rows, one_rows):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert ddp_sum["final_eval_loss"] == pytest.approx(one_sum["final_eval_loss"], rel=1e-4)
