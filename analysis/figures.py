@@ -35,7 +35,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from analysis.load import RunSet  # noqa: E402
-from analysis.stats import METRICS, Metric  # noqa: E402
+from analysis.stats import METRICS, Metric, bootstrap_ci  # noqa: E402
 
 #: Exponent (floor(log2|x|)) of the smallest subnormal, smallest normal and largest finite value.
 FORMAT_RANGES: dict[str, tuple[int, int, int]] = {
@@ -100,6 +100,33 @@ def _finite(df: pd.DataFrame, col: str) -> pd.DataFrame:
 # Curves over steps
 # --------------------------------------------------------------------------------------------
 
+def mean_band(df: pd.DataFrame, x: str, y: str, n_boot: int = 500) -> pd.DataFrame:
+    """Mean of ``y`` over runs at each ``x`` with its 95 % percentile-bootstrap band (the same
+    estimator as the report's tables, :func:`analysis.stats.bootstrap_ci`, seed fixed);
+    columns ``x``, ``mean``, ``lo``, ``hi`` (lo/hi NaN where fewer than 2 runs)."""
+    rows = []
+    for xv, g in df.groupby(x, sort=True):
+        v = g[y].to_numpy(dtype=float)
+        v = v[np.isfinite(v)]
+        if v.size == 0:
+            continue
+        lo, hi = bootstrap_ci(v, "mean", n_boot=n_boot)
+        rows.append({x: xv, "mean": float(v.mean()), "lo": lo, "hi": hi})
+    return pd.DataFrame(rows, columns=[x, "mean", "lo", "hi"])
+
+
+def _band_plot(ax: Any, df: pd.DataFrame, x: str, y: str, hue: str, pal: Mapping[str, Any],
+               step: bool = False) -> None:
+    """One mean line with a shaded 95 % band per ``hue`` value."""
+    for name, g in df.groupby(hue, sort=True):
+        b = mean_band(g, x, y)
+        if b.empty:
+            continue
+        kw = {"drawstyle": "steps-post"} if step else {}
+        ax.plot(b[x], b["mean"], color=pal.get(name), lw=1.4, label=str(name), **kw)
+        ax.fill_between(b[x], b["lo"], b["hi"], color=pal.get(name), alpha=0.2, lw=0,
+                        step="post" if step else None)
+
 def loss_curve_figures(rs: RunSet) -> list[Figure]:
     """Training loss against step, mean over seeds with a 95 % bootstrap band per strategy, one
     panel per precision, the fp32 reference run(s) as a dashed black line; diverged runs drawn
@@ -107,10 +134,12 @@ def loss_curve_figures(rs: RunSet) -> list[Figure]:
     train = rs.train
     if train.empty or train["loss"].isna().all():
         return []
+    # loss_avg (mean since the previous train line) is smoother than the one-step loss
+    y = "loss_avg" if "loss_avg" in train and train["loss_avg"].notna().any() else "loss"
     _style()
     out = []
     for workload in sorted(train["workload"].dropna().unique()):
-        wl = _finite(train[train["workload"] == workload], "loss")
+        wl = _finite(train[train["workload"] == workload], y)
         precs = _low_precisions(wl) or [REFERENCE_PRECISION]
         pal = _palette(wl["strategy"].dropna())
         fig, axes = plt.subplots(1, len(precs), figsize=(5.2 * len(precs), 3.8), squeeze=False,
@@ -120,17 +149,16 @@ def loss_curve_figures(rs: RunSet) -> list[Figure]:
             cur = wl[(wl["precision"] == prec)]
             done = cur[cur["status"] == "completed"]
             if not done.empty:
-                sns.lineplot(data=done, x="step", y="loss", hue="strategy", palette=pal,
-                             errorbar=("ci", 95), n_boot=500, seed=0, ax=ax)
+                _band_plot(ax, done, "step", y, "strategy", pal)
             for _, run in cur[cur["status"] == "diverged"].groupby("run_id"):
-                ax.plot(run["step"], run["loss"], ls=":", lw=1,
+                ax.plot(run["step"], run[y], ls=":", lw=1,
                         color=pal.get(run["strategy"].iloc[0]), label=None)
             if not ref.empty and prec != REFERENCE_PRECISION:
-                mean_ref = ref.groupby("step")["loss"].mean()
+                mean_ref = ref.groupby("step")[y].mean()
                 ax.plot(mean_ref.index, mean_ref.to_numpy(), "k--", lw=1.2, label="fp32 reference")
             ax.set_title(f"{prec}")
             ax.set_xlabel("step")
-            ax.set_ylabel("training loss")
+            ax.set_ylabel("training loss" + (" (window mean)" if y == "loss_avg" else ""))
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
         fig.suptitle(f"Loss curves — {workload}")
@@ -214,8 +242,8 @@ def skipped_figures(rs: RunSet) -> list[Figure]:
                                  sharey=True)
         for ax, prec in zip(axes[0], precs):
             cur = wl[wl["precision"] == prec]
-            sns.lineplot(data=cur, x="step", y="skipped_total", hue="strategy", palette=pal,
-                         errorbar=("ci", 95), n_boot=500, seed=0, drawstyle="steps-post", ax=ax)
+            _band_plot(ax, cur, "step", "skipped_total", "strategy", pal, step=True)
+            ax.legend(fontsize=7)
             ax.set_title(prec)
             ax.set_ylabel("skipped steps so far")
         fig.suptitle(f"Skipped steps — {workload}")
@@ -244,30 +272,43 @@ def underflow_heatmap_figures(rs: RunSet) -> list[Figure]:
     for workload, prec in _cells(layers):
         cur = layers[(layers["workload"] == workload) & (layers["precision"] == prec)
                      & layers["status"].isin(["completed", "diverged"])]
-        strategies = sorted(cur["strategy"].dropna().unique())
-        if not strategies:
+        panels = [(s, cur[cur["strategy"] == s]) for s in sorted(cur["strategy"].dropna().unique())]
+        if not panels:
             continue
+        ref = layers[(layers["workload"] == workload)
+                     & (layers["precision"] == REFERENCE_PRECISION)
+                     & (layers["status"] == "completed")]
+        if not ref.empty:
+            panels.insert(0, (f"{REFERENCE_PRECISION} reference", ref))
         order = (cur.groupby("layer")["layer_order"].min().sort_values().index.tolist())
-        vmax = max(float(cur["act_zero_frac"].max()), 1e-6)
-        fig, axes = plt.subplots(len(strategies), 1, figsize=(7.5, 0.5 + 0.32 * len(order) *
-                                                              len(strategies) + 0.6 *
-                                                              len(strategies)),
+        vmax = max(max(float(d["act_zero_frac"].max()) for _, d in panels), 1e-6)
+        n = len(panels)
+        fig, axes = plt.subplots(n, 1, figsize=(7.5, 0.5 + (0.32 * len(order) + 0.6) * n),
                                  squeeze=False)
-        for ax, strat in zip(axes[:, 0], strategies):
-            grid = (cur[cur["strategy"] == strat]
-                    .pivot_table(index="layer", columns="step", values="act_zero_frac",
-                                 aggfunc="mean").reindex(order))
-            sns.heatmap(grid, ax=ax, vmin=0.0, vmax=vmax, cmap="rocket_r",
-                        cbar_kws={"label": "zero frac"})
-            ax.set_title(strat, fontsize=9)
+        image = None
+        for ax, (label, data) in zip(axes[:, 0], panels):
+            grid = (data.pivot_table(index="layer", columns="step", values="act_zero_frac",
+                                     aggfunc="mean").reindex(order))
+            steps = grid.columns.to_numpy()
+            image = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", cmap="rocket_r",
+                              vmin=0.0, vmax=vmax, interpolation="nearest")
+            ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 10)).astype(int))
+            ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+            ax.set_yticks(range(len(order)), order)
+            ax.grid(False)
+            ax.set_title(label, fontsize=9)
             ax.set_ylabel("layer")
+        axes[-1, 0].set_xlabel("step")
         fig.suptitle(f"Activation-gradient zero fraction — {workload}, {prec}")
         fig.tight_layout()
+        if image is not None:
+            fig.colorbar(image, ax=axes[:, 0].tolist(), label="zero fraction", shrink=0.9)
         out.append(Figure(
             _slug("underflow", workload, prec), f"Underflow heat map — {workload}, {prec}",
             "Fraction of each layer's activation gradient that is exactly zero, per logged step "
             "(mean over seeds). Darker is more zeros: gradient information lost to underflow, on "
-            "top of structural zeros (ReLU) that the fp32 reference has as well.", fig))
+            "top of structural zeros (ReLU) that the fp32 reference (top panel, when run) has as well.",
+            fig))
     return out
 
 
@@ -325,7 +366,9 @@ def exponent_histogram_figures(rs: RunSet) -> list[Figure]:
         fig.tight_layout()
         out.append(Figure(
             _slug("exponents", workload, prec), f"Gradient exponents — {workload}, {prec}",
-            f"Histogram of the exponents of the scaled activation gradients. Shaded: the {prec} "
+            f"Histogram of the exponents of the scaled activation gradients, all layers, summed "
+            "over the logged steps and seeds (exponents beyond the logged bins are clamped into "
+            "the end bins). Shaded: the {prec} "
             "subnormal (orange) and normal (green) ranges; dashed red: below the left line values "
             "flush to zero, beyond the right one they overflow to inf. Loss scaling shifts the "
             "histogram right (by log2 S) so that it fits inside the range; the outline is the "
@@ -384,24 +427,34 @@ def interval_figures(summary: pd.DataFrame, metrics: Sequence[Metric] = METRICS)
 
 
 def overhead_figures(bench: pd.DataFrame | None) -> list[Figure]:
-    """Strategy overhead against model size from the benchmark table
-    (:func:`analysis.bench.load_bench`): one line per strategy (and device when several)."""
+    """Strategy overhead against model size from ``scalelab-bench``
+    (:func:`analysis.bench.load_bench`): left, median per-step time of scale + unscale_ + step +
+    update (log-log); right, the same as a ratio to ``torch.amp.GradScaler`` at each size."""
     if bench is None or bench.empty:
         return []
     _style()
-    fig, ax = plt.subplots(figsize=(6.0, 3.8))
-    hue = "series" if "series" in bench else "strategy"
-    sns.lineplot(data=bench, x="size", y="overhead", hue=hue, marker="o", ax=ax,
-                 errorbar=None)
-    ax.set_xscale("log")
-    ylabel = str(bench["overhead_label"].iloc[0]) if "overhead_label" in bench else "overhead"
-    ax.set_xlabel(str(bench["size_label"].iloc[0]) if "size_label" in bench else "model size")
-    ax.set_ylabel(ylabel)
-    ax.set_title("Strategy overhead vs model size (scalelab-bench)")
+    pal = _palette(bench["name"])
+    has_ratio = bench["ratio_vs_gradscaler"].notna().any()
+    fig, axes = plt.subplots(1, 2 if has_ratio else 1, figsize=(11 if has_ratio else 6, 3.8),
+                             squeeze=False)
+    sns.lineplot(data=bench, x="size", y="median_ms", hue="name", palette=pal, marker="o",
+                 errorbar=None, ax=axes[0][0])
+    axes[0][0].set(xscale="log", yscale="log", xlabel="parameters",
+                   ylabel="median ms per step (strategy only)")
+    if has_ratio:
+        sns.lineplot(data=bench.dropna(subset=["ratio_vs_gradscaler"]), x="size",
+                     y="ratio_vs_gradscaler", hue="name", palette=pal, marker="o",
+                     errorbar=None, ax=axes[0][1], legend=False)
+        axes[0][1].axhline(1.0, color="black", lw=0.8, ls="--")
+        axes[0][1].set(xscale="log", xlabel="parameters", ylabel="time / GradScaler time")
+    fig.suptitle("Strategy overhead vs model size (scalelab-bench)")
     fig.tight_layout()
     return [Figure("overhead_vs_size", "Strategy overhead vs model size",
-                   f"From the benchmark JSON: {ylabel} of each strategy measured side by side in "
-                   "one process, against model size. Lower is cheaper.", fig)]
+                   "From `scalelab-bench`: median time per step of scale + unscale_ + step + "
+                   "update with a no-op optimizer (forward/backward excluded), every "
+                   "configuration measured side by side in one process; right, relative to "
+                   "torch.amp.GradScaler at the same size (dashed line = parity). norm_ratio is "
+                   "measured without its fp32 probe, whose cost the training runs record.", fig)]
 
 
 def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = None

@@ -52,7 +52,7 @@ SUMMARY_COLUMNS = (
 
 #: Scalar keys of a ``kind: "train"`` line kept in the ``train`` table.
 TRAIN_SCALARS = (
-    "loss", "scale", "skipped", "skipped_total", "grad_absmax", "grad_norm", "grad_zero_frac",
+    "loss", "loss_avg", "scale", "skipped", "skipped_total", "grad_absmax", "grad_norm", "grad_zero_frac",
     "grad_subnormal_frac", "lr", "step_time_s", "strategy_time_s", "probe_time_s",
 )
 

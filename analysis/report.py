@@ -83,6 +83,14 @@ def _s(x: object) -> str:
     return "?" if x is None or (isinstance(x, float) and math.isnan(x)) else str(x)
 
 
+def _human(n: float) -> str:
+    """1000000 → ``1M`` (parameter counts)."""
+    for div, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "K")):
+        if n >= div:
+            return f"{n / div:g}{suffix}"
+    return f"{n:g}"
+
+
 def _is_pct(col: str) -> bool:
     return col.endswith("_frac") or col.endswith("_frac_mean")
 
@@ -145,6 +153,19 @@ def _cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: p
         parts.append(f"`{s}` vs `{BASELINE}`: {evidence_phrase(c.poi, c.poi_lo, c.poi_hi, c.welch_p, c.mwu_p)} "
                      f"(P(lower loss) = {fmt_ci(c.poi, c.poi_lo, c.poi_hi, prob=True)}, Welch p = "
                      f"{fmt_p(c.welch_p)}, Mann–Whitney p = {fmt_p(c.mwu_p)}).")
+    worse = []
+    for s in ranked["strategy"]:
+        if s in top or s == BASELINE:
+            continue
+        c = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
+                  & (comps["strategy"] == s) & (comps["metric"] == PRIMARY)]
+        if not c.empty and np.isfinite(c.iloc[0].poi_hi) and c.iloc[0].poi_hi < 0.5:
+            c = c.iloc[0]
+            worse.append(f"`{s}` ({fmt(c['mean'])} vs {fmt(c.base_mean)}; P(lower loss) = "
+                         f"{fmt_ci(c.poi, c.poi_lo, c.poi_hi, prob=True)})")
+    if worse:
+        parts.append(f"Worse than `{BASELINE}` on final eval loss in every resample: "
+                     + ", ".join(worse) + ".")
     costs = []
     for s in dict.fromkeys([*top, BASELINE]):
         if s not in set(cell_s["strategy"]):
@@ -166,9 +187,14 @@ def _cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: p
     return " ".join(parts)
 
 
-def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame) -> str:
+def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
+                    comps: pd.DataFrame | None = None) -> str:
     """One paragraph: which strategy keeps training healthiest (top tier on final eval loss most
-    often, never diverging, fewest skipped steps) and at what cost (strategy overhead)."""
+    often, never diverging, fewest skipped steps) and at what cost (strategy overhead).
+
+    When no strategy beat ``native`` on final eval loss in any cell (the interval of P(lower
+    loss) above 0.5), the paragraph opens by saying so: the "healthiest" pick is then decided by
+    skipped steps and overhead among tied strategies, not by loss."""
     low = ranks[ranks["precision"] != F.REFERENCE_PRECISION].dropna(subset=["rank"])
     if low.empty:
         return ("**Verdict:** no reduced-precision strategy finished a run, so nothing can be "
@@ -193,7 +219,19 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame) -> str:
     best = board_df.iloc[0]
     base = board_df[board_df["strategy"] == BASELINE]
     n_seeds = int(s_low[f"{PRIMARY}_n"].replace(0, np.nan).min()) if s_low[f"{PRIMARY}_n"].gt(0).any() else 0
-    text = (f"**Verdict:** `{best['strategy']}` kept training healthiest in this sweep: in the top "
+    winners = []
+    if comps is not None and not comps.empty:
+        loss = comps[(comps["metric"] == PRIMARY) & (comps["precision"] != F.REFERENCE_PRECISION)]
+        winners = sorted(set(loss[loss["poi_lo"] > 0.5]["strategy"]))
+    lead = "**Verdict:** "
+    if comps is not None and not winners:
+        lead += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
+                 "any comparison (every interval of P(lower loss) includes 0.5 or lies below "
+                 "it). Among the strategies tied at the top, ")
+    elif winners:
+        lead += ("beating `" + BASELINE + "` on final eval loss in at least one comparison: "
+                 + ", ".join(f"`{w}`" for w in winners) + ". Overall, ")
+    text = (lead + f"`{best['strategy']}` kept training healthiest in this sweep: in the top "
             f"tier for final eval loss in {best['top']} of {cells} workload×precision "
             f"comparison{'s' if cells != 1 else ''}, "
             + ("no diverged run" if best["diverged"] == 0 else f"{best['diverged']} diverged run(s)")
@@ -334,7 +372,7 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
           + f". Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.")
 
     doc.h(1, "Verdict")
-    doc.p(overall_verdict(summary, ranks))
+    doc.p(overall_verdict(summary, ranks, comps))
     cells = (ranks[ranks["precision"] != F.REFERENCE_PRECISION][["workload", "precision"]]
              .dropna().drop_duplicates().sort_values(["workload", "precision"]))
     doc.bullets([_cell_verdict(w, p, ranks, summary, comps) for w, p in cells.to_numpy()])
@@ -357,6 +395,22 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
             f"of `{BASELINE}` (0.5 = no difference), with a 95% bootstrap CI; for the final eval "
             "loss a diverged run counts as worse than any finished run. Welch's t-test and "
             "Mann–Whitney U are two-sided."))
+
+    if bench_df is not None:
+        doc.h(1, "Strategy overhead by model size (scalelab-bench)")
+        sizes = sorted(bench_df["size"].unique())
+        rows = []
+        for name, g in bench_df.groupby("name", sort=True):
+            by = g.set_index("size")
+            rows.append([f"`{name}`"] + [
+                "–" if sz not in by.index else
+                f"{fmt(by.loc[sz, 'median_ms'])} ms" + (
+                    f" ({by.loc[sz, 'ratio_vs_gradscaler']:.2f}×)"
+                    if np.isfinite(by.loc[sz, "ratio_vs_gradscaler"]) else "")
+                for sz in sizes])
+        doc.table(["strategy", *[f"{_human(sz)} params" for sz in sizes]], rows, caption=(
+            "Median time per step of the strategy alone (scale + unscale_ + step + update, no-op "
+            "optimizer) and, in brackets, its ratio to torch.amp.GradScaler at the same size."))
 
     doc.h(1, "Run status")
     c_cols, c_rows, b_cols, b_rows = _status_rows(rs)
