@@ -168,9 +168,6 @@ def unavailable_reason() -> str:
     return _reason
 
 
-_STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def unscale_and_stats(
     grads: Sequence[torch.Tensor],
     inv_scale: torch.Tensor,
@@ -184,7 +181,7 @@ def unscale_and_stats(
     float32/float16/bfloat16 on ``inv_scale``'s device, and that device has an implementation
     (CPU always; CUDA when built with CUDA).
     """
-    if not load():
+    if not (_loaded or load()):
         return None
     dev = inv_scale.device
     if dev.type not in ("cpu", "cuda") or inv_scale.dtype != torch.float32:
@@ -193,19 +190,31 @@ def unscale_and_stats(
         "scalelab::unscale_and_stats", "CUDA"
     ):
         return None
-    for g in grads:
-        if g.device != dev or g.dtype not in _STATS_DTYPES:
-            return None
-    gi = [] if group_index is None else [int(i) for i in group_index]
-    if gi and len(gi) != len(grads):
-        raise ValueError(f"group_index must have one entry per gradient ({len(grads)}), got {len(gi)}")
-    if gi and not all(0 <= i < num_groups for i in gi):
-        bad = next(i for i in gi if not 0 <= i < num_groups)
-        raise ValueError(f"group_index entries must be in [0, {num_groups}), got {bad}")
+    if group_index is None:
+        gi: list[int] = []
+    else:
+        gi = [int(i) for i in group_index]
+        if len(gi) != len(grads):
+            raise ValueError(f"group_index must have one entry per gradient ({len(grads)}), got {len(gi)}")
+        if not all(0 <= i < num_groups for i in gi):
+            bad = next(i for i in gi if not 0 <= i < num_groups)
+            raise ValueError(f"group_index entries must be in [0, {num_groups}), got {bad}")
     if inv_scale.numel() not in (1, num_groups):
         raise ValueError(f"inv_scale must have 1 or {num_groups} elements, got {inv_scale.numel()}")
-    with torch.no_grad():
-        return tuple(torch.ops.scalelab.unscale_and_stats(list(grads), inv_scale, gi, int(num_groups)))
+    # Device and dtype of every gradient are checked by the op itself, before it touches any
+    # value (a Python loop over the tensors would cost more than the pass on small models); a
+    # gradient it does not take sends the caller to the plain-torch path.
+    try:
+        with torch.no_grad():
+            return tuple(torch.ops.scalelab.unscale_and_stats.default(
+                grads if isinstance(grads, list) else list(grads), inv_scale, gi, int(num_groups)))
+    except RuntimeError as exc:
+        if any(m in str(exc) for m in _DECLINED):
+            return None
+        raise
+
+
+_DECLINED = ("must be float32, float16 or bfloat16", "every gradient must be on")
 
 
 def _update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
