@@ -113,3 +113,16 @@ def test_concurrent_first_builds_share_one_directory(tmp_path):
     results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert all(r["ok"] for r in results), [e[-2000:] for _, e in outs]
     assert results[0]["sumsq"] == results[1]["sumsq"] == sum((i * 0.5) ** 2 for i in range(10))
+
+
+def test_stats_declined_dtype_falls_back_to_the_reference(ops):
+    """float64 gradients are not the op's: stats.unscale_and_stats takes the plain-torch path
+    (and the op rejected them before touching any value)."""
+    a = [torch.tensor([4.0, 0.0, 2.0**-20], dtype=torch.float64), torch.ones(3)]
+    b = [t.clone() for t in a]
+    got = unscale_and_stats(a, torch.tensor(0.5))
+    want = unscale_and_stats_reference(b, torch.tensor(0.5))
+    for f in ("found_inf", "absmax", "sumsq", "zeros", "subnormals", "numel"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
