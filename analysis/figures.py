@@ -1,4 +1,4 @@
-"""Figures of a comparison (seaborn/matplotlib, Agg backend — no display needed).
+"""Figures of a comparison (seaborn/matplotlib; no display or pyplot state needed).
 
 Each ``*_figures`` function takes the loaded tables and returns a list of :class:`Figure`
 (a named matplotlib figure with a title and a caption saying how to read it); a figure whose
@@ -25,17 +25,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-import matplotlib
+import io
 
-matplotlib.use("Agg")
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure as MplFigure
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-
-from analysis.load import RunSet  # noqa: E402
-from analysis.stats import METRICS, Metric, bootstrap_ci  # noqa: E402
+from analysis.load import RunSet
+from analysis.stats import METRICS, Metric, bootstrap_ci
 
 #: Exponent (floor(log2|x|)) of the smallest subnormal, smallest normal and largest finite value.
 FORMAT_RANGES: dict[str, tuple[int, int, int]] = {
@@ -59,6 +57,23 @@ class Figure:
     title: str
     caption: str
     fig: Any  # matplotlib.figure.Figure
+
+
+def _subplots(nrows: int, ncols: int, *, figsize: tuple[float, float], **kw: Any
+              ) -> tuple[MplFigure, np.ndarray]:
+    """A figure and its 2-D axes array, built without pyplot: no global figure registry and no
+    GUI backend (saving renders with Agg), so it works the same in a script, a test or a
+    notebook kernel whatever backend that kernel chose."""
+    fig = MplFigure(figsize=figsize)
+    kw.setdefault("squeeze", False)
+    return fig, fig.subplots(nrows, ncols, **kw)
+
+
+def figure_png(fig: MplFigure, dpi: int = 110) -> bytes:
+    """PNG bytes of ``fig`` (for ``IPython.display.Image`` in notebooks)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
 
 
 def _slug(*parts: object) -> str:
@@ -142,7 +157,7 @@ def loss_curve_figures(rs: RunSet) -> list[Figure]:
         wl = _finite(train[train["workload"] == workload], y)
         precs = _low_precisions(wl) or [REFERENCE_PRECISION]
         pal = _palette(wl["strategy"].dropna())
-        fig, axes = plt.subplots(1, len(precs), figsize=(5.2 * len(precs), 3.8), squeeze=False,
+        fig, axes = _subplots(1, len(precs), figsize=(5.2 * len(precs), 3.8), squeeze=False,
                                  sharey=True)
         ref = wl[(wl["precision"] == REFERENCE_PRECISION) & (wl["status"] == "completed")]
         for ax, prec in zip(axes[0], precs):
@@ -190,7 +205,7 @@ def scale_trajectory_figures(rs: RunSet) -> list[Figure]:
         gs = gs[(gs["workload"] == workload)] if not gs.empty else gs
         ncols = 2 if not gs.empty else 1
         pal = _palette(wl["strategy"])
-        fig, axes = plt.subplots(len(precs), ncols, figsize=(5.2 * ncols, 3.4 * len(precs)),
+        fig, axes = _subplots(len(precs), ncols, figsize=(5.2 * ncols, 3.4 * len(precs)),
                                  squeeze=False)
         for row, prec in enumerate(precs):
             ax = axes[row][0]
@@ -238,7 +253,7 @@ def skipped_figures(rs: RunSet) -> list[Figure]:
         if not precs:
             continue
         pal = _palette(wl["strategy"])
-        fig, axes = plt.subplots(1, len(precs), figsize=(5.2 * len(precs), 3.4), squeeze=False,
+        fig, axes = _subplots(1, len(precs), figsize=(5.2 * len(precs), 3.4), squeeze=False,
                                  sharey=True)
         for ax, prec in zip(axes[0], precs):
             cur = wl[wl["precision"] == prec]
@@ -283,7 +298,7 @@ def underflow_heatmap_figures(rs: RunSet) -> list[Figure]:
         order = (cur.groupby("layer")["layer_order"].min().sort_values().index.tolist())
         vmax = max(max(float(d["act_zero_frac"].max()) for _, d in panels), 1e-6)
         n = len(panels)
-        fig, axes = plt.subplots(n, 1, figsize=(7.5, 0.5 + (0.32 * len(order) + 0.6) * n),
+        fig, axes = _subplots(n, 1, figsize=(7.5, 0.5 + (0.32 * len(order) + 0.6) * n),
                                  squeeze=False)
         image = None
         for ax, (label, data) in zip(axes[:, 0], panels):
@@ -339,7 +354,7 @@ def exponent_histogram_figures(rs: RunSet) -> list[Figure]:
         ref = hist[(hist["workload"] == workload) & (hist["precision"] == REFERENCE_PRECISION)]
         ref_frac = _hist_fractions(ref)[0] if not ref.empty else None
         rng = FORMAT_RANGES.get(prec)
-        fig, axes = plt.subplots(len(strategies), 1, figsize=(7.5, 1.9 * len(strategies) + 0.6),
+        fig, axes = _subplots(len(strategies), 1, figsize=(7.5, 1.9 * len(strategies) + 0.6),
                                  squeeze=False, sharex=True)
         pal = _palette(strategies)
         for ax, strat in zip(axes[:, 0], strategies):
@@ -396,7 +411,7 @@ def interval_figures(summary: pd.DataFrame, metrics: Sequence[Metric] = METRICS)
         labels = (cell["strategy"] + " · " + cell["precision"]).tolist()
         y = np.arange(len(labels))
         pal = _palette(cell["precision"])
-        fig, axes = plt.subplots(1, len(present), figsize=(3.6 * len(present),
+        fig, axes = _subplots(1, len(present), figsize=(3.6 * len(present),
                                                            0.9 + 0.35 * len(labels)),
                                  squeeze=False, sharey=True)
         for ax, m in zip(axes[0], present):
@@ -435,7 +450,7 @@ def overhead_figures(bench: pd.DataFrame | None) -> list[Figure]:
     _style()
     pal = _palette(bench["name"])
     has_ratio = bench["ratio_vs_gradscaler"].notna().any()
-    fig, axes = plt.subplots(1, 2 if has_ratio else 1, figsize=(11 if has_ratio else 6, 3.8),
+    fig, axes = _subplots(1, 2 if has_ratio else 1, figsize=(11 if has_ratio else 6, 3.8),
                              squeeze=False)
     sns.lineplot(data=bench, x="size", y="median_ms", hue="name", palette=pal, marker="o",
                  errorbar=None, ax=axes[0][0])
@@ -472,9 +487,9 @@ def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = 
 
 
 def close_all(figs: Iterable[Figure]) -> None:
-    """Release the figures' memory (pyplot keeps every open figure alive)."""
+    """Release the figures' artists now rather than at garbage collection."""
     for f in figs:
-        plt.close(f.fig)
+        f.fig.clear()
 
 
 def format_range_note(precision: str) -> str:

@@ -1,0 +1,111 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Compare loss-scaling strategies
+#
+# Interactive companion of `scalelab-report`: loads one sweep (local run directories, or a W&B
+# group), then shows the run statuses, the per-strategy interval estimates, each strategy
+# against `native`, the tiered ranking and the figures. Every number comes from
+# `analysis.load` / `analysis.stats` / `analysis.figures`, the same code as the report.
+#
+# **Choose the runs** in the next cell, or without editing anything through environment
+# variables: `SCALELAB_RUN_DIR` (one or more sweep directories separated by `:`) or
+# `SCALELAB_WANDB` (`entity/project/group`, needs network access and a W&B login).
+# Keep this notebook in sync with its `.py` twin: `jupytext --sync analysis/notebooks/compare.py`.
+
+# %% tags=["parameters"]
+import os
+
+RUN_DIR = os.environ.get("SCALELAB_RUN_DIR", "runs/compare")
+WANDB = os.environ.get("SCALELAB_WANDB", "")  # "entity/project/group" to read from W&B instead
+N_BOOT = int(os.environ.get("SCALELAB_N_BOOT", "2000"))
+
+# %%
+import sys
+from pathlib import Path
+
+import pandas as pd
+from IPython.display import Image, Markdown, display
+
+try:
+    import analysis  # noqa: F401  # installed (pip install -e .) or run from the repo root
+except ImportError:  # opened from analysis/notebooks/ without installing: use the checkout
+    sys.path.insert(0, str(Path.cwd().resolve().parents[1]))
+
+from analysis import figures as F
+from analysis.load import load_runs, load_wandb
+from analysis.stats import PRIMARY, compare_to_baseline, rank_strategies, summarize
+
+pd.set_option("display.width", 200)
+pd.set_option("display.max_columns", 30)
+
+if WANDB:
+    entity, project, group = WANDB.split("/", 2)
+    rs = load_wandb(f"{entity}/{project}", group=group)
+else:
+    rs = load_runs([p for p in RUN_DIR.split(":") if p])
+print(f"{len(rs.runs)} runs from {rs.sources}")
+rs.runs["status"].value_counts()
+
+# %% [markdown]
+# ## Run status
+# Every run is kept: `failed` (an exception), `diverged` (non-finite or exploding loss) and
+# `incomplete` (no summary, or still `running`) runs are listed here and excluded from the
+# statistics below. Corrupt `metrics.jsonl` lines were skipped and are listed as problems.
+
+# %%
+display(rs.runs[["run_id", "workload", "precision", "strategy", "seed", "status", "steps",
+                 "final_eval_loss", "error"]])
+for problem in rs.problems:
+    print("problem:", problem)
+
+# %% [markdown]
+# ## Interval estimates over seeds
+# Mean and interquartile mean with 95 % percentile-bootstrap intervals (fixed RNG seed). With 3
+# seeds these intervals are narrow by construction and cover the truth only about 3 times in 4.
+
+# %%
+summary = summarize(rs.runs, n_boot=N_BOOT)
+cols = ["workload", "precision", "strategy", "n_completed", "n_diverged", "n_failed",
+        f"{PRIMARY}_mean", f"{PRIMARY}_mean_lo", f"{PRIMARY}_mean_hi", f"{PRIMARY}_iqm",
+        "skipped_steps_mean", "strategy_overhead_frac_mean", "act_zero_frac_mean_mean"]
+summary[cols]
+
+# %% [markdown]
+# ## Ranking (ties where intervals overlap) and each strategy against `native`
+# `poi` is the probability that a run of the strategy ends with a lower value than a run of
+# `native` (0.5: no difference); a diverged run counts as worse than any finished one.
+
+# %%
+ranks = rank_strategies(summary)
+display(ranks)
+comps = compare_to_baseline(rs.runs, n_boot=N_BOOT)
+if not comps.empty:
+    display(comps[comps["metric"] == PRIMARY][["workload", "precision", "strategy", "mean",
+                                               "base_mean", "diff", "poi", "poi_lo", "poi_hi",
+                                               "welch_p", "mwu_p"]])
+
+# %% [markdown]
+# ## Figures
+# Loss curves against the fp32 reference, final-metric intervals, scale trajectories, skipped
+# steps, the per-layer underflow heat map and the gradient-exponent histogram against the
+# format's range.
+
+# %%
+figs = F.all_figures(rs, summary)
+for f in figs:
+    display(Markdown(f"### {f.title}\n{f.caption}"))
+    display(Image(data=F.figure_png(f.fig, dpi=80)))
+F.close_all(figs)
+print(f"{len(figs)} figures")
