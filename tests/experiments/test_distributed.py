@@ -31,15 +31,6 @@ SPIKE_STEP = 5  # rank 1's gradient gets a finite x1000 spike (last step: parame
 # Strategy-specific keywords: norm_ratio probes its fp32 reference on every step here (default 50),
 # so the reference path runs under DDP on the Inf and spike steps too.
 EXTRA_KWARGS: dict[str, dict[str, Any]] = {"norm_ratio": {"probe_interval": 1}}
-# Known gaps, reported to the strategies' owner; strict, so the test flags the fix (XPASS fails).
-NOT_YET_SYNCED: dict[str, str] = {}
-
-
-def _registry_params() -> list[Any]:
-    return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET_SYNCED[n])) if n in NOT_YET_SYNCED else n
-        for n in strategies.available()
-    ]
 
 
 # ----------------------------------------------------------------------------- single process
@@ -208,7 +199,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", _registry_params())
+@pytest.mark.parametrize("name", strategies.available())
 def test_inf_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str) -> None:
     r0, r1 = (r["runs"][(name, "auto")] for r in ranks)
     for step in range(STEPS):
