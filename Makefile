@@ -33,6 +33,7 @@ test-all: setup ## Run every test, slow ones included
 
 compare: setup ## Run the default comparison sweep on the CPU and write its report
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train -m +experiment=compare hydra.sweep.dir=$(OUT)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train -m +experiment=compare_fp32 hydra.sweep.dir=$(OUT)
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
