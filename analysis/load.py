@@ -393,50 +393,69 @@ def load_runs(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
 # Weights & Biases
 # --------------------------------------------------------------------------------------------
 
-def _unflatten(row: Mapping[str, Any], key: str) -> dict[str, Any] | None:
-    """Nested dict ``key`` of a W&B history row, whether logged nested or flattened.
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"act_zero_frac/head": x}`` → ``{"act_zero_frac": {"head": x}}`` (one level, as the
+    W&B logger of ``experiments/records.py`` flattens the run-record dicts)."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        head, sep, tail = key.partition("/")
+        if sep:
+            nested = out.setdefault(head, {})
+            if isinstance(nested, dict):
+                nested[tail] = value
+        else:
+            out[key] = value
+    return out
 
-    W&B may store ``{"act_zero_frac": {"fc1": 0.1}}`` as ``act_zero_frac.fc1`` or
-    ``act_zero_frac/fc1``; both are folded back.
-    """
-    value = row.get(key)
-    if isinstance(value, dict):
-        return dict(value)
-    out = {}
-    for k, v in row.items():
-        for sep in (".", "/"):
-            if k.startswith(key + sep):
-                out[k[len(key) + 1:]] = v
-    return out or None
+
+def _wandb_hist(value: Any) -> dict[str, Any] | None:
+    """A logged ``wandb.Histogram`` (``{"_type": "histogram", "values", "bins"}``) back to the
+    run-record form ``{"lo", "counts", "zeros"}``; the unit-width bins start at ``bins[0]``.
+    W&B does not carry the exact-zero count, so ``zeros`` is 0 here."""
+    if isinstance(value, dict) and isinstance(value.get("values"), list) \
+            and isinstance(value.get("bins"), list) and value["bins"]:
+        return {"lo": int(round(value["bins"][0])), "counts": list(value["values"]), "zeros": 0}
+    return None
 
 
 def wandb_rows_to_lines(history: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Turn W&B history rows (same keys as ``metrics.jsonl``) back into run-record lines.
+    """Turn W&B history rows back into run-record lines.
 
-    A row with ``kind`` is used as is; a row without one is a train line when it has ``loss``
-    and an eval line when it has ``eval_loss``. ``step`` falls back to ``_step``.
+    The training app logs each line's keys under ``train/`` or ``eval/`` with nested dicts
+    flattened to ``act_zero_frac/<layer>`` and ``step`` as W&B's ``_step``; W&B merges a train
+    and an eval line of the same step into one row, so a row can yield both lines (train
+    first). Rows already in run-record form (with ``kind``) pass through.
     """
     for row in history:
-        line = {k: v for k, v in row.items() if not k.startswith("_")}
-        if "step" not in line and "_step" in row:
-            line["step"] = row["_step"]
-        kind = line.get("kind") or ("train" if "loss" in line else
-                                    "eval" if "eval_loss" in line else None)
-        if kind is None or not isinstance(line.get("step"), (int, float)):
+        step = row.get("step", row.get("_step"))
+        if not isinstance(step, (int, float)):
             continue
-        line["kind"] = kind
-        for key in ("act_zero_frac", "act_subnormal_frac", "act_exp_hist"):
-            nested = _unflatten(row, key)
-            if nested is not None:
-                line[key] = nested
-        yield line
+        if row.get("kind") in ("train", "eval"):
+            yield dict(row, step=step)
+            continue
+        for kind in ("train", "eval"):
+            prefix = kind + "/"
+            flat = {k[len(prefix):]: v for k, v in row.items()
+                    if k.startswith(prefix) and v is not None}
+            if not flat:
+                continue
+            line = _nest(flat)
+            if "act_exp_hist" in line:
+                hist = _wandb_hist(line["act_exp_hist"])
+                if hist is None:
+                    line.pop("act_exp_hist")
+                else:
+                    line["act_exp_hist"] = hist
+            line.update(kind=kind, step=int(step))
+            yield line
 
 
 def load_wandb(path: str, group: str | None = None, *, api: Any = None) -> RunSet:
     """Load the runs of a W&B ``entity/project`` (optionally one ``group``) via the public API.
 
-    Each W&B run's summary is read as ``summary.json`` and its full history (``scan_history``)
-    as ``metrics.jsonl``; the W&B run state ``crashed``/``failed`` marks a run failed when its
+    Each W&B run's summary is read as ``summary.json`` (the app mirrors every scalar summary
+    key; the fingerprint stays local) and its full history (``scan_history``) as
+    ``metrics.jsonl`` (see :func:`wandb_rows_to_lines`); the W&B run state ``crashed``/``failed`` marks a run failed when its
     summary has no final status, ``running`` marks it incomplete. ``api`` may be a
     ``wandb.Api``-compatible object (for tests).
 
@@ -467,7 +486,8 @@ def load_wandb(path: str, group: str | None = None, *, api: Any = None) -> RunSe
     if not wb_runs:
         raise RunLoadError(f"no W&B runs in {path}" + (f" group {group!r}" if group else ""))
     for run in wb_runs:
-        summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
+        summary = {k: v for k, v in dict(run.summary).items()
+                   if not k.startswith("_") and "/" not in k}
         config = dict(getattr(run, "config", {}) or {})
         for key in ("strategy", "precision", "model", "data", "regime", "seed"):
             if summary.get(key) is None and not isinstance(config.get(key), dict):

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from analysis.load import RunLoadError, load_runs, load_wandb, wandb_rows_to_lines
@@ -122,17 +123,38 @@ def test_wandb_offline_is_a_clear_error(monkeypatch):
         load_wandb("just-a-project")
 
 
+def _as_wandb_rows(lines: list[dict]) -> list[dict]:
+    """What the app's W&B logger (experiments/records.py) stores: keys under train/ or eval/,
+    dicts flattened with '/', the histogram as a wandb.Histogram, lines of one step merged."""
+    rows: dict[int, dict] = {}
+    for line in lines:
+        prefix = line["kind"] + "/"
+        row = rows.setdefault(line["step"], {"_step": line["step"], "_runtime": 1.0})
+        for k, v in line.items():
+            if k in ("kind", "step"):
+                continue
+            if k == "act_exp_hist":
+                n = len(v["counts"])
+                row[prefix + k] = {"_type": "histogram", "values": v["counts"],
+                                   "bins": list(range(v["lo"], v["lo"] + n + 1))}
+            elif isinstance(v, dict):
+                row.update({f"{prefix}{k}/{kk}": vv for kk, vv in v.items()})
+            else:
+                row[prefix + k] = v
+    return list(rows.values())
+
+
 def test_wandb_rows_map_back_to_run_record_lines(sweep):
-    """W&B flattens nested dicts (``act_zero_frac/fc1``); the loader folds them back."""
     root, _ = sweep
-    line = json.loads((root / "0" / "metrics.jsonl").read_text().splitlines()[0])
-    flat = {k: v for k, v in line.items() if k not in ("act_zero_frac", "kind")}
-    flat.update({f"act_zero_frac/{k}": v for k, v in line["act_zero_frac"].items()})
-    flat["_step"] = 123
-    (back,) = list(wandb_rows_to_lines([flat]))
-    assert back["kind"] == "train" and back["step"] == line["step"]
-    assert back["act_zero_frac"] == line["act_zero_frac"]
-    assert back["act_exp_hist"] == line["act_exp_hist"]
+    lines = [json.loads(x) for x in (root / "3" / "metrics.jsonl").read_text().splitlines()]
+    back = list(wandb_rows_to_lines(_as_wandb_rows(lines)))
+    assert [(b["kind"], b["step"]) for b in back] == [(x["kind"], x["step"]) for x in lines]
+    for b, x in zip(back, lines):
+        if "act_exp_hist" in x:
+            assert b["act_exp_hist"] == dict(x["act_exp_hist"], zeros=0)  # W&B drops zeros
+            b, x = dict(b), dict(x)
+            del b["act_exp_hist"], x["act_exp_hist"]
+        assert b == x
 
 
 class _WandbRun:
@@ -142,8 +164,9 @@ class _WandbRun:
         self.id, self.state, self.url, self.group = rid, state, f"https://wandb/{rid}", "g"
         self.summary = json.loads((run_dir / "summary.json").read_text())
         self.config = {}
-        self._rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-                      if x.strip().endswith("}")]
+        self._rows = _as_wandb_rows([json.loads(x) for x in
+                                     (run_dir / "metrics.jsonl").read_text().splitlines()
+                                     if x.strip().endswith("}")])
 
     def scan_history(self):
         return iter(self._rows)
@@ -168,6 +191,9 @@ def test_wandb_runs_load_like_local_runs(sweep):
     local = load_runs(root)
     assert api.calls == [("me/scalelab", {"group": "compare"})]
     assert rs.runs["status"].tolist() == ["completed", "incomplete"]
-    a = rs.train[rs.train["run_id"] == "me/scalelab/a1"].drop(columns=["run_id"])
-    b = local.train[local.train["run_id"] == "synthetic/0"].drop(columns=["run_id"])
-    assert a.reset_index(drop=True).equals(b.reset_index(drop=True))
+    for table in ("train", "evals", "layers"):
+        a = getattr(rs, table)
+        b = getattr(local, table)
+        a = a[a["run_id"] == "me/scalelab/a1"].drop(columns=["run_id"]).reset_index(drop=True)
+        b = b[b["run_id"] == "synthetic/0"].drop(columns=["run_id"]).reset_index(drop=True)
+        pd.testing.assert_frame_equal(a, b, check_dtype=False)
