@@ -219,12 +219,14 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     best = board_df.iloc[0]
     base = board_df[board_df["strategy"] == BASELINE]
     n_seeds = int(s_low[f"{PRIMARY}_n"].replace(0, np.nan).min()) if s_low[f"{PRIMARY}_n"].gt(0).any() else 0
-    winners = []
+    winners: list[str] = []
+    comparable = False
     if comps is not None and not comps.empty:
         loss = comps[(comps["metric"] == PRIMARY) & (comps["precision"] != F.REFERENCE_PRECISION)]
+        comparable = bool(np.isfinite(loss["poi_lo"]).any())
         winners = sorted(set(loss[loss["poi_lo"] > 0.5]["strategy"]))
     lead = "**Verdict:** "
-    if comps is not None and not winners:
+    if comparable and not winners:
         lead += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
                  "any comparison (every interval of P(lower loss) includes 0.5 or lies below "
                  "it). Among the strategies tied at the top, ")

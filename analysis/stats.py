@@ -223,6 +223,11 @@ def summarize(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS, *, n_boot
     return pd.DataFrame(rows)
 
 
+COMPARE_COLUMNS = ["workload", "precision", "strategy", "baseline", "metric", "n", "n_base", "mean",
+                   "base_mean", "diff", "welch_t", "welch_p", "mwu_u", "mwu_p", "poi", "poi_lo",
+                   "poi_hi"]
+
+
 def compare_to_baseline(runs: pd.DataFrame, baseline: str = BASELINE,
                         metrics: Sequence[Metric] = METRICS, *, n_boot: int = N_BOOT,
                         level: float = LEVEL, seed: int = SEED) -> pd.DataFrame:
@@ -261,7 +266,7 @@ def compare_to_baseline(runs: pd.DataFrame, baseline: str = BASELINE,
                     "mwu_p": p_u, "poi": prob_improvement(x_rank, y_rank), "poi_lo": lo,
                     "poi_hi": hi,
                 })
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=COMPARE_COLUMNS)
 
 
 def rank_strategies(summary: pd.DataFrame, metric: str = PRIMARY, estimate: str = "mean"

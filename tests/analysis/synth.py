@@ -66,7 +66,7 @@ def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
     underflow = {"none": 0.30, "native": 0.08, "layerwise": 0.05, "max_ema": 0.06}.get(strategy, 0.1)
     if precision == "fp32":
         underflow = 0.02
-    last = stop_at or spec.steps
+    last = min(stop_at or spec.steps, spec.steps)
     for i, step in enumerate(range(spec.log_every, last + 1, spec.log_every)):
         total_skipped += skipped[i]
         loss = final + (2.3 - final) * math.exp(-step / 10) + float(rng.normal(0, 0.01))

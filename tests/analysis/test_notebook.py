@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jupytext
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 from tests.analysis.synth import SweepSpec, write_sweep

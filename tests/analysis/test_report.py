@@ -143,3 +143,22 @@ def test_cli_prints_the_report_path(tmp_path: Path, capsys):
     assert out == str(tmp_path / "o" / "report.html")
     md = (tmp_path / "o" / "report.md").read_text(encoding="utf-8")
     assert "benchmark JSON not found" in md
+
+
+def test_report_without_baseline_or_finished_runs_still_renders(tmp_path: Path):
+    """`native` present only as an unfinished run, and a strategy with no records at all: the
+    report says "not comparable" instead of crashing or inventing a comparison."""
+    write_sweep(tmp_path / "s", SweepSpec(true_loss={"max_ema": 0.6}, seeds=2, extras=True,
+                                          fp32_reference=False, steps=20))
+    build_report([tmp_path / "s"], tmp_path / "o", n_boot=100)
+    md = (tmp_path / "o" / "report.md").read_text(encoding="utf-8")
+    assert "not comparable (too few finished runs)" in md
+    assert "detectably lower final eval loss than `native`" not in md
+    write_sweep(tmp_path / "t", SweepSpec(true_loss={"max_ema": 0.6}, seeds=2, extras=False,
+                                          fp32_reference=False, steps=20))
+    build_report([tmp_path / "t"], tmp_path / "p", n_boot=100)
+    md = (tmp_path / "p" / "report.md").read_text(encoding="utf-8")
+    assert "No workload×precision cell has both `native` and another strategy." in md
+    res = pd.read_csv(tmp_path / "o" / "results.csv")
+    layerwise = res[res["strategy"] == "layerwise"]  # only an incomplete run, no records
+    assert layerwise["rank"].isna().all() and (layerwise["n_incomplete"] == 1).all()
