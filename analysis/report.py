@@ -166,6 +166,20 @@ def _cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: p
     if worse:
         parts.append(f"Worse than `{BASELINE}` on final eval loss in every resample: "
                      + ", ".join(worse) + ".")
+    others = []
+    for col, noun in (("act_zero_frac_mean", "activation-gradient zeros"),
+                      ("skipped_steps", "skipped steps")):
+        rows = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
+                     & (comps["metric"] == col)]
+        for _, c in rows.iterrows():
+            phrase = evidence_phrase(c.poi, c.poi_lo, c.poi_hi, c.welch_p, c.mwu_p)
+            if phrase.startswith("clearly"):
+                f = (lambda v: f"{100 * v:.1f}%") if _is_pct(col) else fmt  # noqa: E731
+                others.append(f"`{c.strategy}` {'fewer' if 'better' in phrase else 'more'} "
+                              f"{noun} ({f(c['mean'])} vs {f(c.base_mean)})")
+    if others:
+        parts.append(f"Clearly different from `{BASELINE}` besides loss: " + "; ".join(others)
+                     + ".")
     costs = []
     for s in dict.fromkeys([*top, BASELINE]):
         if s not in set(cell_s["strategy"]):
@@ -187,75 +201,86 @@ def _cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: p
     return " ".join(parts)
 
 
+def _nanmean(col: pd.Series) -> float:
+    v = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if v.size else float("nan")
+
+
+def _pct(v: float) -> str:
+    return "–" if not np.isfinite(v) else f"{100 * v:.1f}%"
+
+
 def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
                     comps: pd.DataFrame | None = None) -> str:
-    """One paragraph: which strategy keeps training healthiest (top tier on final eval loss most
-    often, never diverging, fewest skipped steps) and at what cost (strategy overhead).
+    """One paragraph: which strategy keeps training healthiest and at what cost.
 
-    When no strategy beat ``native`` on final eval loss in any cell (the interval of P(lower
-    loss) above 0.5), the paragraph opens by saying so: the "healthiest" pick is then decided by
-    skipped steps and overhead among tied strategies, not by loss."""
+    Health, in this order: fewest diverged runs; most often in the top tier of final eval loss
+    (over the reduced-precision workload×precision cells); fewest skipped steps; smallest
+    activation-gradient zero fraction (the underflow loss scaling exists to prevent). Cost: the
+    strategy's share of step time. When no strategy beat ``native`` on final eval loss in any
+    cell (the interval of P(lower loss) above 0.5), the paragraph opens by saying so — the pick
+    is then made by the secondary criteria among strategies the seeds cannot separate."""
     low = ranks[ranks["precision"] != F.REFERENCE_PRECISION].dropna(subset=["rank"])
     if low.empty:
         return ("**Verdict:** no reduced-precision strategy finished a run, so nothing can be "
                 "compared — see the run-status table.")
     cells = low.groupby(["workload", "precision"]).ngroups
+    tier1 = low[low["rank"] == low.groupby(["workload", "precision"])["rank"].transform("min")]
     s_low = summary[summary["precision"] != F.REFERENCE_PRECISION]
-    board = []
-    for strat, g in s_low.groupby("strategy"):
-        r = low[low["strategy"] == strat]
-        best = r.groupby(["workload", "precision"])["rank"].min()
-        top = int(sum(1 for (w, p), rk in best.items()
-                      if rk == low[(low["workload"] == w) & (low["precision"] == p)]["rank"].min()))
-        board.append({
-            "strategy": strat, "top": top, "diverged": int(g["n_diverged"].sum()),
-            "failed": int(g["n_failed"].sum()), "runs": int(g["n_runs"].sum()),
-            "skipped": float(np.nanmean(g["skipped_steps_mean"])) if g["skipped_steps_mean"].notna().any() else float("nan"),
-            "overhead": float(np.nanmean(g["strategy_overhead_frac_mean"])) if g["strategy_overhead_frac_mean"].notna().any() else float("nan"),
-        })
-    board_df = pd.DataFrame(board).sort_values(
-        ["diverged", "top", "skipped", "overhead"], ascending=[True, False, True, True],
-        na_position="last")
-    best = board_df.iloc[0]
-    base = board_df[board_df["strategy"] == BASELINE]
-    n_seeds = int(s_low[f"{PRIMARY}_n"].replace(0, np.nan).min()) if s_low[f"{PRIMARY}_n"].gt(0).any() else 0
+    board = pd.DataFrame([{
+        "strategy": strat,
+        "diverged": int(g["n_diverged"].sum()),
+        "top": int((tier1["strategy"] == strat).sum()),
+        "skipped": _nanmean(g["skipped_steps_mean"]),
+        "zeros": _nanmean(g["act_zero_frac_mean_mean"]),
+        "overhead": _nanmean(g["strategy_overhead_frac_mean"]),
+    } for strat, g in s_low.groupby("strategy")])
+    board = board.sort_values(["diverged", "top", "skipped", "zeros", "overhead"],
+                              ascending=[True, False, True, True, True], na_position="last")
+    best = board.iloc[0]
+
     winners: list[str] = []
     comparable = False
     if comps is not None and not comps.empty:
         loss = comps[(comps["metric"] == PRIMARY) & (comps["precision"] != F.REFERENCE_PRECISION)]
         comparable = bool(np.isfinite(loss["poi_lo"]).any())
         winners = sorted(set(loss[loss["poi_lo"] > 0.5]["strategy"]))
-    lead = "**Verdict:** "
+    text = "**Verdict:** "
     if comparable and not winners:
-        lead += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
+        text += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
                  "any comparison (every interval of P(lower loss) includes 0.5 or lies below "
-                 "it). Among the strategies tied at the top, ")
+                 "it). Judged also by divergence, skipped steps and underflow, ")
     elif winners:
-        lead += ("beating `" + BASELINE + "` on final eval loss in at least one comparison: "
+        text += (f"beating `{BASELINE}` on final eval loss in at least one comparison: "
                  + ", ".join(f"`{w}`" for w in winners) + ". Overall, ")
-    text = (lead + f"`{best['strategy']}` kept training healthiest in this sweep: in the top "
-            f"tier for final eval loss in {best['top']} of {cells} workload×precision "
-            f"comparison{'s' if cells != 1 else ''}, "
-            + ("no diverged run" if best["diverged"] == 0 else f"{best['diverged']} diverged run(s)")
-            + f", {fmt(best['skipped'])} skipped steps per run on average, at a strategy overhead "
-              f"of {fmt_ci(best['overhead'], np.nan, np.nan, pct=True).replace(' [no CI]', '')} "
-              "of step time")
+
+    def health(r: pd.Series) -> str:
+        return (f"top tier for final eval loss in {r['top']} of {cells}, "
+                + ("no diverged run" if r["diverged"] == 0 else f"{r['diverged']} diverged run(s)")
+                + f", {fmt(r['skipped'])} skipped steps per run, {_pct(r['zeros'])} "
+                  f"activation-gradient zeros, strategy overhead {_pct(r['overhead'])} of step time")
+
+    text += (f"`{best['strategy']}` kept training healthiest in this sweep "
+             f"({cells} workload×precision comparison{'s' if cells != 1 else ''}): {health(best)}")
+    base = board[board["strategy"] == BASELINE]
     if not base.empty and best["strategy"] != BASELINE:
-        b = base.iloc[0]
-        text += (f" (`{BASELINE}`: top tier in {b['top']} of {cells}, {fmt(b['skipped'])} skipped, "
-                 f"{fmt_ci(b['overhead'], np.nan, np.nan, pct=True).replace(' [no CI]', '')} "
-                 "overhead)")
+        text += f" — `{BASELINE}`: {health(base.iloc[0])}"
     text += "."
-    ties = board_df[(board_df["top"] == best["top"]) & (board_df["diverged"] == best["diverged"])
-                    & (board_df["strategy"] != best["strategy"])]
+    ties = board[(board["top"] == best["top"]) & (board["diverged"] == best["diverged"])
+                 & (board["strategy"] != best["strategy"])]
     if not ties.empty:
         text += (" Equally often in the top tier: " + ", ".join(f"`{s}`" for s in ties["strategy"])
-                 + " — the order between them comes from skipped steps and overhead only.")
-    if n_seeds and n_seeds < 5:
-        text += (f" With only {n_seeds} seeds per strategy, every interval here is wide and "
-                 "optimistic (3-seed percentile-bootstrap intervals cover the true mean only about "
-                 "three times in four), and Mann–Whitney cannot go below p = 0.1 with 3 vs 3 runs: "
-                 "read differences that are not large and consistent as unresolved.")
+                 + " — the order among them comes from skipped steps, underflow and overhead.")
+    counts = s_low[f"{PRIMARY}_n"]
+    n_seeds = int(counts[counts > 0].min()) if (counts > 0).any() else 0
+    if 0 < n_seeds < 5:
+        p_min = 2 / math.comb(2 * n_seeds, n_seeds)
+        text += (f" With only {n_seeds} seeds per strategy every interval here is wide and "
+                 "optimistic (with 3 seeds a nominal 95% percentile-bootstrap interval covers the "
+                 "true mean only about three times in four) and the smallest two-sided "
+                 f"Mann–Whitney p for {n_seeds} vs {n_seeds} runs is {p_min:.2g}: read "
+                 "differences that are not large and consistent as unresolved.")
     return text
 
 
