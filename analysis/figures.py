@@ -156,7 +156,7 @@ def loss_curve_figures(rs: RunSet) -> list[Figure]:
     for workload in sorted(train["workload"].dropna().unique()):
         wl = _finite(train[train["workload"] == workload], y)
         precs = _low_precisions(wl) or [REFERENCE_PRECISION]
-        pal = _palette(wl["strategy"].dropna())
+        pal = _palette(rs.runs["strategy"].dropna())
         fig, axes = _subplots(1, len(precs), figsize=(5.2 * len(precs), 3.8), squeeze=False,
                                  sharey=True)
         ref = wl[(wl["precision"] == REFERENCE_PRECISION) & (wl["status"] == "completed")]
@@ -204,7 +204,7 @@ def scale_trajectory_figures(rs: RunSet) -> list[Figure]:
         gs = rs.group_scales
         gs = gs[(gs["workload"] == workload)] if not gs.empty else gs
         ncols = 2 if not gs.empty else 1
-        pal = _palette(wl["strategy"])
+        pal = _palette(rs.runs["strategy"].dropna())
         fig, axes = _subplots(len(precs), ncols, figsize=(5.2 * ncols, 3.4 * len(precs)),
                                  squeeze=False)
         for row, prec in enumerate(precs):
@@ -252,7 +252,7 @@ def skipped_figures(rs: RunSet) -> list[Figure]:
         precs = _low_precisions(wl)
         if not precs:
             continue
-        pal = _palette(wl["strategy"])
+        pal = _palette(rs.runs["strategy"].dropna())
         fig, axes = _subplots(1, len(precs), figsize=(5.2 * len(precs), 3.4), squeeze=False,
                                  sharey=True)
         for ax, prec in zip(axes[0], precs):
@@ -356,7 +356,7 @@ def exponent_histogram_figures(rs: RunSet) -> list[Figure]:
         rng = FORMAT_RANGES.get(prec)
         fig, axes = _subplots(len(strategies), 1, figsize=(7.5, 1.9 * len(strategies) + 0.6),
                                  squeeze=False, sharex=True)
-        pal = _palette(strategies)
+        pal = _palette(rs.runs["strategy"].dropna())
         for ax, strat in zip(axes[:, 0], strategies):
             frac, zero_frac = _hist_fractions(cur[cur["strategy"] == strat])
             ax.bar(frac.index.to_numpy(dtype=float), frac.to_numpy(), width=1.0,
