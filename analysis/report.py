@@ -291,7 +291,8 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
 def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     merged = summary.merge(ranks[["workload", "precision", "strategy", "rank", "tied_with"]],
                            on=["workload", "precision", "strategy"], how="left")
-    merged = merged.sort_values(["workload", "precision", "rank", "strategy"], na_position="last")
+    merged = merged.sort_values(["workload", "precision", "rank", f"{PRIMARY}_mean", "strategy"],
+                                na_position="last")
     cols = ["workload", "precision", "rank", "strategy", "runs ok/div/fail/inc",
             "final eval loss mean [95% CI]", "IQM [95% CI]", "skipped steps", "strategy overhead",
             "act-grad zero frac"]
