@@ -35,6 +35,7 @@ with one collective and no host sync.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import random
@@ -286,6 +287,7 @@ def setup(
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
+            atexit.register(_destroy_group)
         elif dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise ValueError(
                 f"a process group is already initialised as rank {dist.get_rank()} of "
@@ -295,11 +297,24 @@ def setup(
     return DistInfo(rank, world_size, local_rank, dev, rank == 0, used_backend)
 
 
-def cleanup() -> None:
-    """Leave the process group and release a ``cuda:free`` GPU claim. Call once, at the end of
-    the run (also when it fails: ``try/finally``)."""
+def _destroy_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def cleanup(destroy: bool = False) -> None:
+    """End of a run: release a ``cuda:free`` GPU claim; with ``destroy=True`` also leave the
+    process group. Call it at the end of every run, also when it fails (``try/finally``).
+
+    By default the process group stays up for the process's next run and is destroyed at exit.
+    Under ``torchrun ... -m experiments.train -m a,b`` every rank runs the jobs of the sweep one
+    after another in one process; destroying the default group and creating it again between
+    jobs hangs: torch resets its group counter on destroy, so the new group's gloo/NCCL
+    rendezvous reuses the old group's store keys and a rank that arrives first can read its peer's
+    stale address. ``setup()`` of the next job reuses the live group instead.
+    """
+    if destroy:
+        _destroy_group()
     _release_gpu()
 
 

@@ -176,7 +176,7 @@ def _worker(rank: int, tmp: str) -> None:
         D.barrier(info)
         torch.save(out, Path(tmp) / f"rank{rank}.pt")
     finally:
-        D.cleanup()
+        D.cleanup(destroy=True)
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def _submitit_task() -> tuple[int, int, int, float]:
         total = D.all_reduce_sum(torch.tensor(float(info.rank + 1)), info).item()
         return info.rank, info.world_size, info.local_rank, total
     finally:
-        D.cleanup()
+        D.cleanup(destroy=True)
 
 
 @pytest.mark.slow
@@ -282,34 +282,38 @@ def test_submitit_tasks_form_one_process_group(tmp_path: Path, monkeypatch: pyte
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_two_ranks_match_one_process(tmp_path: Path) -> None:
-    """`torchrun --nproc_per_node=2 -m experiments.train` (DDP, gloo): each rank trains on half of
-    the same global batch, DDP averages the gradients, so the run matches a one-process run on the
-    whole batch up to summation order; only rank 0 writes the run record."""
+    """`torchrun --nproc_per_node=2 -m experiments.train -m strategy=native,max_ema` (DDP, gloo):
+    each rank trains on half of the same global batch and DDP averages the gradients, so the native
+    job matches a one-process run on the whole batch up to summation order; only rank 0 writes the
+    run record; the second job of the sweep reuses the process group (re-creating it hangs)."""
     import json
     import subprocess
     import sys
 
     from tests.experiments.runs import QUIET, REPO, TINY, cli
 
-    args = [*TINY["gpt"], *QUIET, "precision=fp32", "strategy=native", "train.steps=8", "train.log_every=2",
+    args = [*TINY["gpt"], *QUIET, "precision=fp32", "train.steps=8", "train.log_every=2",
             "train.eval_every=0", "train.checkpoint_every=0"]
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     ddp = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "experiments.train",
-         *args, f"hydra.run.dir={tmp_path / 'ddp'}"],
+         "-m", "strategy=native,max_ema", *args, f"hydra.sweep.dir={tmp_path / 'ddp'}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
-    single = cli(*args, f"hydra.run.dir={tmp_path / 'single'}")
+    single = cli("strategy=native", *args, f"hydra.run.dir={tmp_path / 'single'}")
     assert single.returncode == 0, single.stderr[-3000:]
-    runs = {}
-    for name in ("ddp", "single"):
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [r for r in rows if r["kind"] == "train"], json.loads((tmp_path / name / "summary.json").read_text())
-    (ddp_rows, ddp_sum), (one_rows, one_sum) = runs["ddp"], runs["single"]
+
+    def record(run_dir: Path) -> tuple[list[dict], dict]:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if r["kind"] == "train"], json.loads((run_dir / "summary.json").read_text())
+
+    (ddp_rows, ddp_sum), (one_rows, one_sum) = record(tmp_path / "ddp" / "0"), record(tmp_path / "single")
     assert ddp_sum["status"] == one_sum["status"] == "completed"
     assert [r["step"] for r in ddp_rows] == [r["step"] for r in one_rows] == [2, 4, 6, 8]  # one writer, no duplicates
     assert [r["scale"] for r in ddp_rows] == [r["scale"] for r in one_rows]
     for a, b in zip(ddp_rows, one_rows):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert ddp_sum["final_eval_loss"] == pytest.approx(one_sum["final_eval_loss"], rel=1e-4)
+    second = record(tmp_path / "ddp" / "1")[1]
+    assert (second["status"], second["strategy"]) == ("completed", "max_ema")
