@@ -255,20 +255,25 @@ void chunk_pass_avx512(typename E::Raw* __restrict p, int64_t n, float inv, Part
     if (kWrite) v = Vec<E>::store(q, _mm512_mul_ps(v, vinv));
     ss = _mm512_fmadd_ps(v, v, ss);
   };
+  __m512 ss2 = _mm512_setzero_ps(), ss3 = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
     body(p + i, mb0, ss0, zero0, below0);
     body(p + i + kLanes, mb1, ss1, zero1, below1);
+    body(p + i + 2 * kLanes, mb0, ss2, zero0, below0);
+    body(p + i + 3 * kLanes, mb1, ss3, zero1, below1);
     if (++blocks == kFlushBlocks / 2) {
-      sumsq += flush(ss0) + flush(ss1);
+      sumsq += (flush(ss0) + flush(ss1)) + (flush(ss2) + flush(ss3));
       ss0 = _mm512_setzero_ps();
       ss1 = _mm512_setzero_ps();
+      ss2 = _mm512_setzero_ps();
+      ss3 = _mm512_setzero_ps();
       blocks = 0;
     }
   }
-  sumsq += flush(ss0) + flush(ss1);
+  sumsq += (flush(ss0) + flush(ss1)) + (flush(ss2) + flush(ss3));
   Partial tail;
-  chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 32 elements
+  chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 64 elements
   const uint32_t mb = _mm512_reduce_max_epu32(_mm512_max_epu32(mb0, mb1));
   const int64_t zeros = _mm512_reduce_add_epi32(_mm512_add_epi32(zero0, zero1));
   finish_vector_part<E, kWrite>(mb, zeros, _mm512_reduce_add_epi32(_mm512_add_epi32(below0, below1)) - zeros,
