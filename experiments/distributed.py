@@ -194,7 +194,8 @@ def _release_gpu() -> None:
 
 
 def _resolve_device(device: str, local_rank: int, world_size: int, gpu_wait_s: float = 86400.0) -> torch.device:
-    """``auto`` -> CUDA if available else CPU; ``cuda`` -> ``cuda:local_rank`` (one GPU per rank);
+    """``auto`` -> CUDA if available else CPU; ``cuda`` -> ``cuda:local_rank`` (one GPU per rank;
+    ``cuda:0`` when the rank sees a single device);
     ``cuda:N`` -> that GPU; ``cuda:free`` -> a GPU no other scalelab process on this host holds."""
     kind = device.split(":", 1)[0]
     if kind not in DEVICES or (kind != "cuda" and ":" in device):
@@ -219,7 +220,9 @@ def _resolve_device(device: str, local_rank: int, world_size: int, gpu_wait_s: f
             raise ValueError(f"device must be cuda, cuda:N or cuda:free, got {device!r}")
         index = int(which)
     else:
-        index = local_rank
+        # One GPU per local rank. A scheduler that binds a GPU to each task (SLURM with
+        # --gpus-per-task=1 and per-task binding) leaves every rank exactly one visible device.
+        index = 0 if count == 1 else local_rank
     if not 0 <= index < count:
         raise ValueError(
             f"GPU index {index} (local rank {local_rank}) is out of range: {count} visible CUDA "

@@ -317,3 +317,27 @@ def test_torchrun_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert ddp_sum["final_eval_loss"] == pytest.approx(one_sum["final_eval_loss"], rel=1e-4)
     second = record(tmp_path / "ddp" / "1")[1]
     assert (second["status"], second["strategy"]) == ("completed", "max_ema")
+
+
+def test_gpu_choice_per_rank_without_a_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Device arithmetic with CUDA faked (no GPU is touched): one GPU per local rank; a rank that
+    sees one device (scheduler-bound) takes cuda:0; more ranks than GPUs is an error; cuda:free
+    hands this process a GPU no other process holds and keeps it until cleanup()."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("SCALELAB_GPU_LOCK_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert D._resolve_device("cuda", local_rank=1, world_size=2) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"GPU index 2 \(local rank 2\) is out of range: 2 visible"):
+        D._resolve_device("cuda", local_rank=2, world_size=3)
+    with pytest.raises(ValueError, match="names one GPU, but world_size=2"):
+        D._resolve_device("cuda:1", local_rank=0, world_size=2)
+    other = D.claim_slot(["5"], tmp_path, timeout_s=0)  # another process holds physical GPU 5
+    assert D._resolve_device("cuda:free", local_rank=0, world_size=1) == torch.device("cuda", 1)
+    assert D._resolve_device("cuda:free", local_rank=0, world_size=1) == torch.device("cuda", 1)  # kept
+    D.cleanup()
+    os.close(other[1])
+    assert D._resolve_device("cuda:free", local_rank=0, world_size=1) == torch.device("cuda", 0)
+    D.cleanup()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert D._resolve_device("cuda", local_rank=3, world_size=4) == torch.device("cuda", 0)
