@@ -9,8 +9,8 @@ Where the rank layout comes from, first match wins:
 
 1. torchrun (``torch.distributed.run``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and
    ``MASTER_ADDR``/``MASTER_PORT`` for the default ``env://`` rendezvous).
-2. A submitit job with more than one task (``hydra/launcher=submitit_slurm`` with
-   ``tasks_per_node > 1``, or ``submitit_local``): the task's global rank, task count and local
+2. A submitit job with more than one task (``hydra/launcher=slurm`` or ``slurm_local`` with
+   ``hydra.launcher.tasks_per_node > 1``): the task's global rank, task count and local
    rank from ``submitit.JobEnvironment``; the master address is the job's first host and the
    port is derived from the job id, as ``submitit.helpers.TorchDistributedEnvironment`` does.
 3. Nothing set: a single process, ``world_size == 1``, no process group.
@@ -26,11 +26,15 @@ Loss-scaling consistency. Under DDP the gradients are averaged across ranks duri
 *not* synchronise is anything that happens to a rank's gradients after backward (clipping
 hooks, a fault, a test's injection) and the strategies' own statistics (found_inf, abs-max,
 sums of squares, counts, per group). Strategies all-reduce those when ``distributed`` is
-``"auto"``/``"replicated"`` and a process group is initialised (see ``docs/strategy-api.md``):
-``found_inf`` and ``absmax`` by MAX, sums and counts by SUM -- the "global_max =
-max(all_reduce(local_max))" rule of the design source (seed 003, section 4.5), done on every rank
-instead of computed on rank 0 and broadcast, so all ranks take the same skip and scale decision
-with one collective and no host sync.
+``"auto"``/``"replicated"``/``"sharded"`` and a process group is initialised (see
+``docs/strategy-api.md`` and ``strategies/base.py``): ``found_inf`` and ``absmax`` by MAX -- the
+"global_max = max(all_reduce(local_max))" rule of the design source (seed 003, section 4.5) --
+and, for replicated (DDP) gradients, the sums and counts by MAX as well (replicas agree), for
+sharded ones by SUM. It is done on every rank instead of computed on rank 0 and broadcast, so all
+ranks take the same skip and scale decision with one collective and no host sync.
+
+The process group lives as long as the process: ``cleanup()`` keeps it for the next job of a
+sweep (Hydra runs a multirun's jobs in one process) and it is destroyed at exit.
 """
 
 from __future__ import annotations
