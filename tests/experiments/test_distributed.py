@@ -25,9 +25,10 @@ from experiments import distributed as D
 from experiments.models import MLP
 
 WORLD = 2
-STEPS = 6
+STEPS = 7
 INF_STEP = 2  # rank 1's gradient gets an Inf after backward
-SPIKE_STEP = 5  # rank 1's gradient gets a finite x1000 spike (last step: parameters diverge after it)
+NAN_STEP = 3  # rank 0's gradient gets a NaN after backward
+SPIKE_STEP = 6  # rank 1's gradient gets a finite x1000 spike (last step: parameters diverge after it)
 # Strategy-specific keywords: norm_ratio probes its fp32 reference on every step here (default 50),
 # so the reference path runs under DDP on the Inf and spike steps too.
 EXTRA_KWARGS: dict[str, dict[str, Any]] = {"norm_ratio": {"probe_interval": 1}}
@@ -138,6 +139,8 @@ def _run_strategy(name: str, mode: str, info: D.DistInfo) -> list[dict[str, Any]
         strat.scale(loss).backward()
         if info.rank == 1 and step == INF_STEP:
             model.head.weight.grad[0, 0] = float("inf")
+        if info.rank == 0 and step == NAN_STEP:
+            model.layers[0][0].weight.grad[1, 2] = float("nan")
         if info.rank == 1 and step == SPIKE_STEP:
             model.head.weight.grad.mul_(1000.0)
         before = _flat(model.parameters())
@@ -200,7 +203,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", strategies.available())
-def test_inf_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str) -> None:
+def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str) -> None:
     r0, r1 = (r["runs"][(name, "auto")] for r in ranks)
     for step in range(STEPS):
         a, b = r0[step], r1[step]
@@ -213,13 +216,18 @@ def test_inf_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], nam
         if step < SPIKE_STEP:  # the spike changes rank 1's update, so parameters part after it
             assert torch.equal(a["params"], b["params"]), f"step {step}: parameters differ across ranks"
             assert torch.equal(a["opt_state"], b["opt_state"]), f"step {step}: optimizer state differs"
-        expect_skip = step == INF_STEP
+        expect_skip = step in (INF_STEP, NAN_STEP)
         assert a["stepped"] is b["stepped"] is (not expect_skip), f"step {step}: stepped {a['stepped']}/{b['stepped']}"
         if expect_skip:
             assert a["opt_state_kept"] and b["opt_state_kept"]
             assert a["telemetry"]["found_inf"].item() == 1.0
-            assert a["scale"] < r0[step - 1]["scale"], "a skipped step must back the scale off"
-    assert r0[-1]["telemetry"]["skipped_steps"].item() == 1
+            prev = r0[step - 1]
+            if "scales" in a["telemetry"]:  # per-group: the group where the fault arose backs off
+                now, before = a["telemetry"]["scales"], prev["telemetry"]["scales"]
+                assert bool((now <= before).all() and (now < before).any()), f"step {step}: {before} -> {now}"
+            else:
+                assert a["scale"] < prev["scale"], "a skipped step must back the scale off"
+    assert r0[-1]["telemetry"]["skipped_steps"].item() == 2
     # the finite spike (x1000 on rank 1) is in the agreed abs-max: statistics were reduced, not local
     spike, prev = r0[SPIKE_STEP]["telemetry"]["grad_absmax"], r0[SPIKE_STEP - 1]["telemetry"]["grad_absmax"]
     assert spike.item() > 100 * prev.item()
