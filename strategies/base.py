@@ -286,7 +286,10 @@ class Strategy:
                 f = torch.zeros((), dtype=torch.float32, device=device)
                 unscale_and_check(gs, inv, f)
                 found[device] = f
-        if total is not None and self._distributed_active():
+        if self._distributed_active():
+            # Every rank must join the collective, even one that holds no gradient this step.
+            if total is None:
+                total = GradStats.empty(self.num_groups, scale.device)
             total = self._all_reduce(total)
             found = {scale.device: total.found_inf.amax()}
         state["found_inf_per_device"] = found
