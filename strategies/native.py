@@ -48,8 +48,10 @@ def backoff_growth_hysteresis_(
     backoff = found & (h_after <= 0)
     t_after = torch.where(found, torch.zeros_like(growth_tracker), growth_tracker + 1)
     grow = ~found & (t_after == growth_interval)
-    grown = (scale * growth_factor).to(torch.float32)
-    new_scale = torch.where(backoff, scale * backoff_factor, scale)
+    # S * factor in double, rounded once to float: what torch._amp_update_scale_ computes.
+    wide = scale.double()
+    grown = (wide * growth_factor).float()
+    new_scale = torch.where(backoff, (wide * backoff_factor).float(), scale)
     new_scale = torch.where(grow & torch.isfinite(grown), grown, new_scale)
     scale.copy_(new_scale)
     growth_tracker.copy_(torch.where(grow, torch.zeros_like(t_after), t_after))

@@ -130,7 +130,15 @@ def unscale_and_stats_reference(
             out.numel[gi] = sum(g.numel() for g in gs)
             torch._amp_foreach_non_finite_check_and_unscale_(gs, out.found_inf[gi], inv[gi])
             absmax = torch.stack(torch._foreach_norm(gs, float("inf"))).float().amax()
-            norms = torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32))
+            # Half-precision norms accumulate in float32; float32/float64 ones in their own dtype.
+            half = [g for g in gs if g.dtype in (torch.float16, torch.bfloat16)]
+            wide = [g for g in gs if g.dtype not in (torch.float16, torch.bfloat16)]
+            norms = []
+            if half:
+                norms += torch._foreach_norm(half, 2, dtype=torch.float32)
+            if wide:
+                norms += [n.float() for n in torch._foreach_norm(wide, 2)]
+            norms = torch.stack(norms)
             out.absmax[gi] = absmax
             out.sumsq[gi] = norms.square().sum()
     return out

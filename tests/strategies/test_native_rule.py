@@ -59,3 +59,14 @@ def test_clamp() -> None:
 def test_hysteresis_validated() -> None:
     with pytest.raises(ValueError, match=r"hysteresis must be an integer >= 1, got 0"):
         strategies.create("native", hysteresis=0)
+
+
+def test_hysteresis_path_rounds_like_torch() -> None:
+    """Non-power-of-two factors: S * factor is taken in double and rounded once, as torch does."""
+    found = [0, 1, 0, 0, 1, 1, 0]
+    a = strategies.create("native", init_scale=3.0, growth_factor=1.1, backoff_factor=0.3,
+                          growth_interval=1, hysteresis=1)
+    b = strategies.create("native", init_scale=3.0, growth_factor=1.1, backoff_factor=0.3,
+                          growth_interval=1, hysteresis=2)
+    b._hysteresis = 1  # the general path with a budget of one overflow must equal torch's op
+    assert drive(b, found) == drive(a, found)

@@ -93,3 +93,12 @@ def test_bad_group_arguments() -> None:
         unscale_and_stats([torch.ones(2)], torch.tensor(1.0), [2], 2)
     with pytest.raises(ValueError, match="inv_scale"):
         unscale_and_stats([torch.ones(2)], torch.ones(3), [0], 2)
+
+
+def test_float64_gradients_are_supported() -> None:
+    """GradScaler unscales float64 gradients; so must the statistics pass."""
+    g = [torch.tensor([3.0, -4.0, 0.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float16)]
+    st = unscale_and_stats(g, torch.tensor(0.5))
+    assert st.sumsq.item() == pytest.approx(1.5**2 + 2.0**2 + 0.5**2)
+    assert st.absmax.item() == 2.0 and st.zeros.item() == 1
+    assert torch.equal(g[0], torch.tensor([1.5, -2.0, 0.0], dtype=torch.float64))
