@@ -2,7 +2,7 @@
 # `make help` lists the targets.
 PYTHON     ?= python3
 VENV       ?= .venv
-# CPU build by default. On a GPU box: make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=<your CUDA wheel index>
+# CPU build by default. On a GPU box install your torch into .venv first, then: make setup TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 PIP_FLAGS  ?=
 BIN        := $(VENV)/bin
