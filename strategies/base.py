@@ -98,13 +98,9 @@ class Strategy:
             raise ValueError(
                 f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}"
             )
-        if not isinstance(enabled, bool):
-            v.fail("enabled", "a bool", enabled)
-        if not isinstance(track_stats, bool):
-            v.fail("track_stats", "a bool", track_stats)
+        self._enabled = v.boolean("enabled", enabled)
+        self._track_stats = v.boolean("track_stats", track_stats)
         self._distributed = v.one_of("distributed", distributed, DISTRIBUTED_MODES)
-        self._enabled = enabled
-        self._track_stats = track_stats
         self._device = None if device is None else torch.device(device)
         self._init_growth_tracker = 0
         self._init_skipped = 0

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_leaves
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.max_ema import FP16_MAX, ZERO_GRADS_MODES, max_ema_update_, round_down_pow2
+from strategies.max_ema import FP16_MAX, max_ema_update_, round_down_pow2, validate_max_ema_rule
 from strategies.native import backoff_growth_hysteresis_
 from strategies.registry import register_strategy
 from strategies.stats import GradStats
@@ -198,15 +198,9 @@ class LayerwiseStrategy(Strategy):
         if not _is_pow2(self._init_scale):
             v.fail("init_scale", "a power of two for layerwise (exact boundary rescaling)", init_scale)
         self._rule = rule
-        self._format_max = v.finite_positive("format_max", format_max)
-        self._target_max = v.finite_positive("target_max", target_max)
-        if self._target_max > self._format_max:
-            v.fail("target_max", f"<= format_max ({self._format_max:g})", target_max)
-        self._ema_decay = v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0)
-        self._zero_grads = v.one_of("zero_grads", zero_grads, ZERO_GRADS_MODES)
-        if not isinstance(cap_ema_on_overflow, bool):
-            v.fail("cap_ema_on_overflow", "a bool", cap_ema_on_overflow)
-        self._cap_ema = cap_ema_on_overflow
+        self._target_max, self._format_max, self._ema_decay, self._zero_grads, self._cap_ema = (
+            validate_max_ema_rule(target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow)
+        )
         if groups is not None:
             if isinstance(groups, str) or not all(isinstance(g, str) for g in groups):
                 v.fail("groups", "a list of fnmatch patterns (strings) or None", groups)

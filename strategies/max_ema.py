@@ -130,6 +130,24 @@ def max_ema_update_(
     growth_tracker.copy_(t)
 
 
+def validate_max_ema_rule(
+    target_max: Any, format_max: Any, ema_decay: Any, zero_grads: Any, cap_ema_on_overflow: Any
+) -> tuple[float, float, float, str, bool]:
+    """Validate the max-EMA rule's hyper-parameters (shared with ``layerwise``'s per-group rule);
+    returns ``(target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow)``."""
+    fmax = v.finite_positive("format_max", format_max)
+    tmax = v.finite_positive("target_max", target_max)
+    if tmax > fmax:
+        v.fail("target_max", f"<= format_max ({fmax:g})", target_max)
+    return (
+        tmax,
+        fmax,
+        v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0),
+        v.one_of("zero_grads", zero_grads, ZERO_GRADS_MODES),
+        v.boolean("cap_ema_on_overflow", cap_ema_on_overflow),
+    )
+
+
 @register_strategy("max_ema")
 class MaxEmaStrategy(Strategy):
     """Max-value scaling: S follows an EMA of ``target_max / absmax(grads)``, growth capped at
@@ -169,18 +187,10 @@ class MaxEmaStrategy(Strategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
-        if not isinstance(cap_ema_on_overflow, bool):
-            v.fail("cap_ema_on_overflow", "a bool", cap_ema_on_overflow)
-        self._cap_ema = cap_ema_on_overflow
-        self._format_max = v.finite_positive("format_max", format_max)
-        self._target_max = v.finite_positive("target_max", target_max)
-        if self._target_max > self._format_max:
-            v.fail("target_max", f"<= format_max ({self._format_max:g})", target_max)
-        self._ema_decay = v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0)
-        if not isinstance(round_pow2, bool):
-            v.fail("round_pow2", "a bool", round_pow2)
-        self._round_pow2 = round_pow2
-        self._zero_grads = v.one_of("zero_grads", zero_grads, ZERO_GRADS_MODES)
+        self._target_max, self._format_max, self._ema_decay, self._zero_grads, self._cap_ema = (
+            validate_max_ema_rule(target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow)
+        )
+        self._round_pow2 = v.boolean("round_pow2", round_pow2)
 
     def _init_extra_state(self, device: torch.device) -> None:
         self._ema = torch.zeros((), dtype=torch.float32, device=device)

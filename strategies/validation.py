@@ -60,6 +60,12 @@ def int_at_least(field: str, value: Any, bound: int) -> int:
     return v
 
 
+def boolean(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        fail(field, "a bool", value)
+    return value
+
+
 def one_of(field: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         fail(field, "one of " + ", ".join(repr(c) for c in choices), value)
