@@ -27,13 +27,14 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 __all__ = [
     "available",
     "build_directory",
+    "dispatch",
     "layerwise_update_",
     "load",
     "max_ema_update_",
@@ -231,6 +232,23 @@ def _update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
         if t.device != dev or not t.is_contiguous() or t.dtype not in (torch.float32, torch.int32, torch.int64):
             return False
     return True
+
+
+def dispatch(op: str, twin: Callable[..., Any], *args: Any) -> None:
+    """Run a rule's update: ``torch.ops.scalelab.<op>(*args)`` when the extension is built and the
+    op applies to these tensors (one device with an implementation, contiguous float32/int32/int64),
+    else its Python twin ``twin(*args)``.
+
+    The op's schema and the twin's signature are the same positional list (the twin is the oracle
+    of the op in ``tests/cuda``), so a rule calls ``dispatch("<rule>_update_", <rule>_update_, ...)``
+    and nothing else; adding a kernel for a rule touches the rule header, the CPU twin, the ``.cu``
+    and the op registration only.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if tensors and _update_applies(op, tensors) and hasattr(torch.ops.scalelab, op):
+        getattr(torch.ops.scalelab, op)(*args)
+    else:
+        twin(*args)
 
 
 def native_update_(

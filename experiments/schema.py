@@ -1,0 +1,165 @@
+"""The run-record schema: file names, line kinds, keys and their types — one place, standard library only.
+
+``experiments/`` writes run records through this module and ``analysis/`` reads them through it
+(the one module of ``experiments`` that ``analysis`` imports; it imports neither side, nor torch).
+``docs/run-records.md`` documents the same fields; a test keeps the two in step.
+
+A run directory holds::
+
+    summary.json     SUMMARY_FIELDS, written atomically at start (status "running") and at the end
+    metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train") or EVAL_FIELDS (kind "eval")
+    checkpoint.pt    model, optimizer, strategy, RNG, step (torch.load(weights_only=True))
+
+:func:`coerce` turns one untrusted value into its field's type or ``None`` (never raises): what a
+reader does with a record written by an older version, a crashed run or a hostile hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "EVAL_FIELDS",
+    "Field",
+    "METRICS_NAME",
+    "STATUSES",
+    "SUMMARY_FIELDS",
+    "SUMMARY_NAME",
+    "TRAIN_FIELDS",
+    "coerce",
+    "coerce_row",
+]
+
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+CHECKPOINT_NAME = "checkpoint.pt"
+
+KIND_TRAIN = "train"
+KIND_EVAL = "eval"
+
+STATUSES = ("running", "completed", "diverged", "failed")
+"""``summary.json`` ``status`` values. ``running`` on disk after the process ended means the run was
+killed; readers call such a run ``incomplete``."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key of a record: its name, its type and what it means.
+
+    ``type`` is one of ``int``, ``float``, ``bool``, ``str``, ``"float_list"``, ``"str_list"``,
+    ``"float_map"`` (layer name -> float), ``"dict"`` (a nested record); ``optional`` fields may be
+    absent or null.
+    """
+
+    name: str
+    type: Any
+    doc: str
+    optional: bool = False
+
+
+def _fields(*items: Field) -> dict[str, Field]:
+    return {f.name: f for f in items}
+
+
+TRAIN_FIELDS = _fields(
+    Field("kind", str, '"train"'),
+    Field("step", int, "optimizer steps attempted so far (1-based; skipped steps count)"),
+    Field("loss", float, "training loss of this step (unscaled, without the regime's loss multiplier)"),
+    Field("loss_avg", float, "mean training loss over the steps since the previous train line"),
+    Field("scale", float, "the loss scale after update() (1.0 when scaling is off)"),
+    Field("scales", "float_list", "per-group scales (per-layer strategies only)", optional=True),
+    Field("scale_groups", "str_list", "names of those groups, same order", optional=True),
+    Field("skipped", bool, "this step's optimizer step was skipped (non-finite gradients)"),
+    Field("skipped_total", int, "skipped steps so far"),
+    Field("grad_absmax", float, "abs-max of the unscaled parameter gradients"),
+    Field("grad_norm", float, "L2 norm of the unscaled parameter gradients"),
+    Field("grad_zero_frac", float, "fraction of parameter-gradient elements exactly zero (before unscaling)"),
+    Field("grad_subnormal_frac", float, "fraction nonzero and below 2^-14 (before unscaling)"),
+    Field("act_zero_frac", "float_map", "per layer: fraction of the activation gradient exactly zero"),
+    Field("act_subnormal_frac", "float_map", "per layer: fraction below the precision's smallest normal"),
+    Field("act_exp_hist", "dict", '{"lo": int, "counts": [int], "zeros": int}: exponent histogram', optional=True),
+    Field("lr", float, "learning rate"),
+    Field("step_time_s", float, "wall time of the whole step"),
+    Field("strategy_time_s", float, "wall time spent in the strategy"),
+    Field("probe_time_s", float, "cumulative wall time of a strategy's fp32 probes", optional=True),
+    Field("telemetry", "dict", "the strategy's own telemetry beyond the keys above (e.g. ema, candidate)", optional=True),
+)
+
+EVAL_FIELDS = _fields(
+    Field("kind", str, '"eval"'),
+    Field("step", int, "step of the evaluation"),
+    Field("eval_loss", float, "mean validation loss"),
+    Field("eval_metric", float, "bits per character (text) or accuracy (classifiers)", optional=True),
+)
+
+SUMMARY_FIELDS = _fields(
+    Field("status", str, "one of STATUSES"),
+    Field("error", str, "one-line reason when not completed", optional=True),
+    Field("strategy", str, "registered strategy name, or none (no scaling)"),
+    Field("precision", str, "fp32, fp16, bf16, fp8_e4m3, fp8_e5m2"),
+    Field("model", str, "config-group choice"),
+    Field("data", str, "config-group choice"),
+    Field("regime", str, "stress regime name"),
+    Field("workload", str, '"{model}/{data}/{regime}": the unit a report compares within'),
+    Field("seed", int, "seed (fixes init and data order: runs of one seed are paired)"),
+    Field("sweep", str, "sweep / W&B group name"),
+    Field("steps", int, "steps completed"),
+    Field("final_train_loss", float, "loss_avg of the last train line", optional=True),
+    Field("final_eval_loss", float, "eval loss at the end", optional=True),
+    Field("best_eval_loss", float, "lowest eval loss", optional=True),
+    Field("final_eval_metric", float, "eval metric at the end", optional=True),
+    Field("skipped_steps", int, "optimizer steps skipped"),
+    Field("mean_step_time_s", float, "mean step time after warm-up", optional=True),
+    Field("strategy_overhead_s", float, "mean per-step strategy time", optional=True),
+    Field("strategy_overhead_frac", float, "strategy_overhead_s / mean_step_time_s", optional=True),
+    Field("diverged", bool, "status == diverged"),
+    Field("fingerprint", "dict", "git_sha, git_dirty, config, overrides, torch_version, device, hostname"),
+)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def coerce(field: Field, value: Any) -> Any:
+    """``value`` as ``field``'s type, or ``None`` when it is absent or of the wrong shape.
+
+    Floats keep NaN/±Inf (they are data: a diverged loss); ints must be integral and finite;
+    strings stay strings (never interpreted); maps keep only str -> number entries.
+    """
+    t = field.type
+    if value is None:
+        return None
+    if t is float:
+        return _number(value)
+    if t is int:
+        x = _number(value)
+        return int(x) if x is not None and math.isfinite(x) and x.is_integer() else None
+    if t is bool:
+        return value if isinstance(value, bool) else None
+    if t is str:
+        return value if isinstance(value, str) else None
+    if t == "float_list":
+        if not isinstance(value, list):
+            return None
+        out = [_number(v) for v in value]
+        return None if any(v is None for v in out) else out
+    if t == "str_list":
+        return list(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+    if t == "float_map":
+        if not isinstance(value, Mapping):
+            return None
+        return {str(k): x for k, v in value.items() if (x := _number(v)) is not None}
+    if t == "dict":
+        return dict(value) if isinstance(value, Mapping) else None
+    raise AssertionError(f"unknown field type {t!r}")
+
+
+def coerce_row(fields: Mapping[str, Field], row: Mapping[str, Any]) -> dict[str, Any]:
+    """Every known key of ``row`` coerced (bad values become ``None``); unknown keys are dropped."""
+    return {name: coerce(f, row.get(name)) for name, f in fields.items() if name in row}
