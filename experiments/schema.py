@@ -7,7 +7,8 @@
 A run directory holds::
 
     summary.json     SUMMARY_FIELDS, written atomically at start (status "running") and at the end
-    metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train") or EVAL_FIELDS (kind "eval")
+    metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train"), EVAL_FIELDS (kind "eval")
+                     or FIDELITY_FIELDS (kind "fidelity", every train.fidelity_every steps)
     checkpoint.pt    model, optimizer, strategy, RNG, step (torch.load(weights_only=True))
 
 :func:`coerce` turns one untrusted value into its field's type or ``None`` (never raises): what a
@@ -23,6 +24,7 @@ from typing import Any, Mapping
 __all__ = [
     "CHECKPOINT_NAME",
     "EVAL_FIELDS",
+    "FIDELITY_FIELDS",
     "Field",
     "METRICS_NAME",
     "STATUSES",
@@ -39,6 +41,7 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 KIND_TRAIN = "train"
 KIND_EVAL = "eval"
+KIND_FIDELITY = "fidelity"
 
 STATUSES = ("running", "completed", "diverged", "failed")
 """``summary.json`` ``status`` values. ``running`` on disk after the process ended means the run was
@@ -95,6 +98,19 @@ EVAL_FIELDS = _fields(
     Field("eval_metric", float, "bits per character (text) or accuracy (classifiers)", optional=True),
 )
 
+FIDELITY_FIELDS = _fields(
+    Field("kind", str, '"fidelity"'),
+    Field("step", int, "step whose mixed-precision gradient was compared with the fp32 reference"),
+    Field("cosine", float, "cosine similarity of the unscaled mixed-precision gradient and the fp32 gradient"),
+    Field("rel_err", float, "||g_mp - g_fp32|| / ||g_fp32||"),
+    Field("lost_frac", float, "fraction of entries nonzero in fp32 but exactly zero in mixed precision"),
+    Field("layer_cosine", "float_map", "per layer: cosine"),
+    Field("layer_rel_err", "float_map", "per layer: relative L2 error"),
+    Field("layer_lost_frac", "float_map", "per layer: lost fraction"),
+    Field("skipped", bool, "the step was skipped (non-finite gradients): no comparison", optional=True),
+    Field("probe_time_s", float, "wall time of this fidelity probe (not part of step or strategy time)"),
+)
+
 SUMMARY_FIELDS = _fields(
     Field("status", str, "one of STATUSES"),
     Field("error", str, "one-line reason when not completed", optional=True),
@@ -115,6 +131,10 @@ SUMMARY_FIELDS = _fields(
     Field("mean_step_time_s", float, "mean step time after warm-up", optional=True),
     Field("strategy_overhead_s", float, "mean per-step strategy time", optional=True),
     Field("strategy_overhead_frac", float, "strategy_overhead_s / mean_step_time_s", optional=True),
+    Field("fidelity_one_minus_cos_mean", float, "mean of 1 - cosine over the run's fidelity probes", optional=True),
+    Field("fidelity_rel_err_mean", float, "mean relative error over the fidelity probes", optional=True),
+    Field("fidelity_lost_frac_mean", float, "mean lost fraction over the fidelity probes", optional=True),
+    Field("fidelity_time_s", float, "total wall time of the fidelity probes", optional=True),
     Field("diverged", bool, "status == diverged"),
     Field("fingerprint", "dict", "git_sha, git_dirty, config, overrides, torch_version, device, hostname"),
 )
