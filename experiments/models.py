@@ -118,7 +118,7 @@ class GPT(nn.Module):
             if name.endswith(("proj.weight", "fc_out.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
         _scale_init(self, init_scale)
-        self.boundaries = ["embed", *[f"blocks.{i}" for i in range(n_layer)], "head"]
+        self.boundaries = ["embed", *[f"blocks.{i}" for i in range(n_layer)], "ln_f", "head"]
 
     @staticmethod
     def _init(m: nn.Module) -> None:

@@ -17,7 +17,7 @@ convolutions run in the low-precision type and their activation gradients are re
 tensors that really underflow (seed 001: the autocast op lists; seed 004: the dispatch).
 
 FP8 is simulated: the forward runs under bf16 autocast, and at every layer boundary of the model
-(``model.boundaries``) the gradient flowing backward is quantised and dequantised,
+(``strategies.boundaries.layers(model)``) the gradient flowing backward is quantised and dequantised,
 ``g <- float(fp8(g))``, by ``torch``'s own casts to ``torch.float8_e4m3fn`` / ``float8_e5m2``
 (round to nearest even; values below half the smallest subnormal — 2^-10 for e4m3, 2^-17 for
 e5m2 — become 0). Overflow follows the formats as torch casts them, checked on torch 2.13:
@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from strategies.boundaries import Boundaries, Trace, layers
 
 __all__ = ["Precision", "BoundaryHooks", "quantize_dequantize", "HIST_LO", "HIST_BINS"]
 
@@ -119,35 +121,26 @@ def quantize_dequantize(g: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     return q
 
 
-class _QuantGrad(torch.autograd.Function):
-    """Identity in forward; quantise–dequantise the incoming gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:  # type: ignore[override]
-        ctx.fmt = fmt
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return quantize_dequantize(g, ctx.fmt), None
-
-
 class BoundaryHooks:
-    """Forward hooks on ``model.boundaries``: fp8 gradient simulation and per-layer measurements.
+    """fp8 gradient simulation and per-layer measurements on the model's layer boundaries.
 
-    On a measuring step each boundary output gets a tensor hook that, when its gradient ``g``
-    arrives in backward (after fp8 quantisation, i.e. what the layer below receives), accumulates
-    on the device: the count of exact zeros, the count of nonzero ``|g| < smallest_normal``, the
-    element count, and (when ``hist`` is on) a histogram of ``floor(log2|g|)`` over nonzero finite
-    values (``torch.frexp``: ``g = m 2^e`` with ``0.5 <= |m| < 1``, so ``floor(log2|g|) = e - 1``).
+    Built on the one shared layer-boundary module (:mod:`strategies.boundaries`): the layers are
+    ``strategies.boundaries.layers(model)``, the fp8 quantise–dequantise is its ``"quantize"``
+    stage and the measurements its ``"observe"`` stage, so a per-layer strategy's rescaling
+    (``"rescale"``) always comes first and the measurements see what the layer below receives,
+    whatever the order in which the loop attached them.
+
+    On a measuring step each boundary's gradient ``g`` is counted on the device as it arrives in
+    backward (after fp8 quantisation): exact zeros, nonzero ``|g| < smallest_normal``, elements,
+    and (when ``hist`` is on) a histogram of ``floor(log2|g|)`` over nonzero finite values
+    (``torch.frexp``: ``g = m 2^e`` with ``0.5 <= |m| < 1``, so ``floor(log2|g|) = e - 1``).
     ``read()`` returns them as Python numbers — the only host sync, done on logging steps.
     """
 
     def __init__(self, model: nn.Module, precision: Precision) -> None:
-        names = getattr(model, "boundaries", None)
-        if not names:
-            raise ValueError(f"{type(model).__name__} does not declare `boundaries` (layer-boundary module names)")
-        self.names: list[str] = list(names)
+        self.names: list[str] = layers(model)
+        if not self.names:
+            raise ValueError(f"{type(model).__name__} has no layer boundaries (no child module owns parameters)")
         self.precision = precision
         self.measure = False
         self.hist = False
@@ -155,21 +148,19 @@ class BoundaryHooks:
         self._stats: dict[str, list[torch.Tensor]] = {}
         self._hist: torch.Tensor | None = None
         self._hist_zeros: torch.Tensor | None = None
-        self._handles = [
-            model.get_submodule(name).register_forward_hook(self._make_hook(name)) for name in self.names
-        ]
+        modules = [model.get_submodule(name) for name in self.names]
+        self._name_of = {id(m): name for name, m in zip(self.names, modules)}
+        self._boundaries = Boundaries.of(model)
+        self._handles = [self._boundaries.register(
+            "observe", modules, on_grad=self._observe, when=lambda: self.enabled and self.measure)]
+        if precision.grad_format is not None:
+            fmt = precision.grad_format
+            self._handles.append(self._boundaries.register(
+                "quantize", modules, on_grad=lambda trace, i, g: quantize_dequantize(g, fmt),
+                when=lambda: self.enabled))
 
-    def _make_hook(self, name: str):
-        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            if not self.enabled or not torch.is_grad_enabled() or not output.requires_grad:
-                return None
-            if self.measure:
-                output.register_hook(lambda g: self._record(name, g))
-            if self.precision.grad_format is not None:
-                return _QuantGrad.apply(output, self.precision.grad_format)
-            return None
-
-        return hook
+    def _observe(self, trace: Trace, i: int, g: torch.Tensor) -> None:
+        self._record(self._name_of[id(trace.calls[i])], g)
 
     def _record(self, name: str, g: torch.Tensor) -> None:
         g = g.detach()
@@ -215,10 +206,12 @@ class BoundaryHooks:
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
-        """No quantisation and no measuring inside (the fp32 reference pass of ``norm_ratio``)."""
+        """No transform at all inside — fp8, measuring, a per-layer strategy's rescaling: the
+        fp32 reference passes (``norm_ratio``'s probe)."""
         prev, self.enabled = self.enabled, False
         try:
-            yield
+            with self._boundaries.disabled():
+                yield
         finally:
             self.enabled = prev
 

@@ -1,18 +1,12 @@
-"""The Strategy base class: ``torch.amp.GradScaler``'s state machine with a pluggable update rule.
+"""The Strategy base class: ``torch.amp.GradScaler``'s state machine around one declared rule.
 
-A strategy is used exactly like GradScaler (see ``torch/amp/grad_scaler.py``)::
-
-    scaled = strategy.scale(loss)      # loss * S
-    scaled.backward()
-    strategy.unscale_(optimizer)       # optional: grads /= S in place, statistics recorded
-    strategy.step(optimizer)           # unscale_ if not done; skip optimizer.step() if non-finite
-    strategy.update()                  # next S, computed on the device
-
-The base class owns everything the strategies share — lazy device-resident state, per-optimizer
-stages and their errors, the single statistics pass (:mod:`strategies.stats`), the distributed
-all-reduce of statistics, the optional ``[min_scale, max_scale]`` clamp, skipped-step counting,
-telemetry and ``state_dict`` — and a subclass supplies only its rule in :meth:`_update_scale`
-(plus, for per-group strategies, :meth:`_group_index` / :meth:`_inv_scales`).
+A strategy is used exactly like GradScaler (``torch/amp/grad_scaler.py``): ``scale(loss)``,
+``backward()``, optional ``unscale_(optimizer)``, ``step(optimizer)``, ``update()``. A rule is three declarations and one function (see :class:`Strategy` for the list): its
+hyper-parameters (``Params``, a validated dataclass, :mod:`strategies.params`), its device state
+(``state_spec``, :mod:`strategies.state`) and ``update_``, which calls the rule's in-place update
+function through :func:`strategies.kernels.dispatch`. From those the base class derives lazy
+device-resident state, ``state_dict``/``load_state_dict`` (validated before anything changes),
+telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed reduction.
 
 No method here reads a tensor on the host except GradScaler's own ``step()`` skip decision
 (``found_inf.item()``; none with fused optimizers), :meth:`get_scale` and :meth:`state_dict`.
@@ -21,8 +15,6 @@ No method here reads a tensor on the host except GradScaler's own ``step()`` ski
 from __future__ import annotations
 
 import inspect
-import math
-import warnings
 from collections import defaultdict
 from enum import Enum
 from typing import Any, ClassVar, Iterable
@@ -30,8 +22,9 @@ from typing import Any, ClassVar, Iterable
 import torch
 import torch.distributed as dist
 
-from strategies import validation as v
-from strategies.stats import GradStats, unscale_and_check, unscale_and_stats
+from strategies.params import ScalerParams
+from strategies.state import RuleState, State, base_state, from_state_dict, telemetry_of, to_state_dict
+from strategies.stats import GradStats, grads_by_device, unscale_and_check, unscale_and_stats
 
 
 class OptState(Enum):
@@ -44,93 +37,69 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}, "stats": None}
 
 
-DISTRIBUTED_MODES = ("auto", "off", "replicated", "sharded")
-
-
 class Strategy:
     """Base class of every scaling strategy; a drop-in replacement for ``torch.amp.GradScaler``.
 
-    Args:
-        init_scale: initial scale S_0 (finite, > 0). Default 2^16, as torch.
-        growth_factor: factor > 1 by which the rule may grow S. Default 2.
-        backoff_factor: factor in (0, 1) applied to S on non-finite gradients. Default 0.5.
-        growth_interval: integer >= 1; how many clean steps a rule waits before growing.
-        enabled: ``False`` makes every method a transparent no-op (``step`` just steps).
-        min_scale, max_scale: optional bounds; after every update S is clamped into them.
-            Off by default, as in torch (so ``native`` stays bit-identical to GradScaler).
-        device: pin the state's device; default: the device of the first tensor given to
-            :meth:`scale`.
-        track_stats: gather gradient statistics (abs-max, norm, zero/subnormal counts) on every
-            unscale for telemetry. Rules that need them gather them regardless. With it off, a
-            rule that needs none uses torch's found-inf-only unscale.
-        distributed: ``"auto"`` (all-reduce statistics when ``torch.distributed`` is
-            initialised, as replicated gradients), ``"off"``, ``"replicated"`` (DDP: every rank
-            holds the full gradient; MAX-reduce) or ``"sharded"`` (FSDP/ZeRO: ranks hold
-            disjoint shards; MAX for found_inf/abs-max, SUM for sums and counts). Either way all
-            ranks take the same skip and scale decisions.
+    Constructor: ``Strategy(device=None, init_scale=2.**16, growth_factor=2.0, backoff_factor=0.5,
+    growth_interval=2000, enabled=True, *, min_scale, max_scale, track_stats, distributed,
+    <the rule's own>)`` — the fields of ``Params`` (:class:`strategies.params.ScalerParams` and
+    the rule's additions), validated at construction with one-line ``ValueError``s.
+
+    A rule declares (class attributes):
+
+    * ``Params`` — its hyper-parameter dataclass (subclass of ``ScalerParams``);
+    * ``state_spec`` — its device state beyond the base's ``scale``, ``growth_tracker``,
+      ``skipped_steps`` and ``found_inf`` (a tuple of :class:`strategies.state.State`);
+    * ``needs_stats`` — True when ``update_`` reads the gradient statistics (then they are
+      gathered even with ``track_stats=False``; a rule that reads them without declaring it gets
+      ``stats=None`` there and fails the contract tests);
+    * ``per_group`` — one scale per layer group (``scale``/``growth_tracker`` of shape ``[G]``);
+      ``pow2_scales`` — a manual ``update(new_scale)`` is rounded down to a power of two.
+
+    and implements the hooks, of which only the first is required:
+
+    * ``update_(found_inf, stats)`` — the rule, in place on ``self.state`` (no host sync);
+    * ``on_unscale(optimizer)`` — after an optimizer's gradients were unscaled (probes);
+    * ``attach(model)`` / ``detach()`` — per-layer rules install / remove their hooks;
+    * ``set_reference(closure, params)`` — rules that probe an fp32 reference gradient;
+    * ``group_index(params)``, ``num_groups``, ``group_names``, ``output_group`` — per-group rules.
     """
 
     name: ClassVar[str] = "base"
+    Params: ClassVar[type[ScalerParams]] = ScalerParams
+    state_spec: ClassVar[tuple[State, ...]] = ()
     needs_stats: ClassVar[bool] = False
-    """True when :meth:`_update_scale` reads the gradient statistics every step."""
+    per_group: ClassVar[bool] = False
+    pow2_scales: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        *,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        device: str | torch.device | None = None,
-        track_stats: bool = True,
-        distributed: str = "auto",
-    ) -> None:
-        self._init_scale = v.finite_positive("init_scale", init_scale)
-        self._growth_factor = v.greater_than("growth_factor", growth_factor, 1.0)
-        self._backoff_factor = v.open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
-        self._growth_interval = v.int_at_least("growth_interval", growth_interval, 1)
-        self._min_scale = None if min_scale is None else v.finite_positive("min_scale", min_scale)
-        self._max_scale = None if max_scale is None else v.finite_positive("max_scale", max_scale)
-        if self._min_scale is not None and self._max_scale is not None and self._min_scale > self._max_scale:
-            raise ValueError(
-                f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}"
-            )
-        self._enabled = v.boolean("enabled", enabled)
-        self._track_stats = v.boolean("track_stats", track_stats)
-        self._distributed = v.one_of("distributed", distributed, DISTRIBUTED_MODES)
-        self._device = None if device is None else torch.device(device)
-        self._init_growth_tracker = 0
-        self._init_skipped = 0
-        self._scale: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._pending_extra: dict[str, Any] = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.params = self.Params(*args, **kwargs)
+        self._device = None if self.params.device is None else torch.device(self.params.device)
+        self.state: RuleState | None = None
+        self.output_group = 0
+        self.updates = 0  # update() calls so far (host counter, saved in state_dict)
+        self._pending: dict[str, Any] = {}
+        self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
-    # ------------------------------------------------------------------ subclass hooks
-    def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        """The rule: update ``self._scale`` (and trackers) in place on the device.
-
-        ``found_inf`` is a float32 scalar tensor, > 0 when any gradient of any optimizer was
-        non-finite this step; ``stats`` the per-group statistics (None when not gathered).
-        Must not read tensors on the host.
-        """
+    # ------------------------------------------------------------------ hooks (see class docstring)
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         raise NotImplementedError
 
-    def _init_extra_state(self, device: torch.device) -> None:
-        """Create rule-specific device tensors (called once, at lazy initialisation)."""
+    def on_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
 
-    def _extra_state_dict(self) -> dict[str, Any]:
-        """Rule-specific state as plain Python values (floats, ints, lists)."""
-        return {}
+    def attach(self, model: torch.nn.Module) -> "Strategy":
+        return self
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`_extra_state_dict` returned; state tensors exist when called."""
+    def detach(self) -> None:
+        pass
 
-    def _extra_telemetry(self) -> dict[str, torch.Tensor]:
-        return {}
+    def set_reference(self, closure: Any, params: Iterable[torch.Tensor] | None = None) -> None:
+        pass
+
+    def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
+        return None
 
     @property
     def num_groups(self) -> int:
@@ -140,156 +109,113 @@ class Strategy:
     def group_names(self) -> list[str]:
         return ["all"]
 
-    def _group_index(self, params: list[torch.Tensor]) -> list[int] | None:
-        """Group of each parameter (None: all in group 0)."""
-        return None
+    # ------------------------------------------------------------------ state
+    def _specs(self) -> tuple[State, ...]:
+        return base_state(self.per_group) + self.state_spec
 
-    def _inv_scales(self) -> torch.Tensor:
-        """Inverse scale(s) by which gradients are unscaled: shape ``[]`` or ``[G]``.
-
-        FP32 division can be imprecise for some compile options, so (as torch) the reciprocal is
-        taken in FP64.
-        """
-        assert self._scale is not None
-        return self._scale.double().reciprocal().float()
-
-    def _output_scale(self) -> torch.Tensor:
-        """The factor :meth:`scale` multiplies outputs by."""
-        assert self._scale is not None
-        return self._scale
-
-    # ---------------------------------------------------------- uniform loop helpers
-    def attach(self, model: torch.nn.Module) -> "Strategy":
-        """Per-layer strategies install hooks here; a no-op for global ones."""
-        return self
-
-    def detach(self) -> None:
-        """Remove whatever :meth:`attach` installed."""
-
-    def set_reference(self, closure: Any, params: Iterable[torch.Tensor] | None = None) -> None:
-        """Strategies that probe an fp32 reference gradient take its closure here; others ignore it."""
-
-    # ------------------------------------------------------------------ lazy state
     def _lazy_init(self, dev: torch.device) -> None:
-        dev = self._device or dev
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
-        self._skipped = torch.full((), self._init_skipped, dtype=torch.int64, device=dev)
-        self._last_found_inf = torch.zeros((), dtype=torch.float32, device=dev)
-        self._last_stats = GradStats.empty(1, dev)
-        self._last_stats.absmax.fill_(math.nan)
-        self._last_stats.sumsq.fill_(math.nan)
-        self._init_extra_state(dev)
-        if self._pending_extra:
-            self._load_extra_state(self._pending_extra)
-            self._pending_extra = {}
+        self.state = RuleState(self._specs(), self.params, self.num_groups, self._device or dev)
+        if self._pending:
+            self.state.load_(self._pending)
+            self._pending = {}
 
-    def _check_initialized(self, funcname: str) -> torch.Tensor:
-        if self._scale is None:
+    def regroup_(self) -> None:
+        """Re-create per-group state after the groups changed (per-group rules call it from
+        ``attach``/``detach``): every group starts at the current output scale and tracker;
+        state that is not per group is kept."""
+        old = self.state
+        if old is None:
+            return
+        scale, tracker = self.output_entry(old.scale).clone(), self.output_entry(old.growth_tracker).clone()
+        self.output_group = 0
+        self._lazy_init(old.scale.device)
+        for name, spec in self.state.specs.items():
+            if not spec.per_group:
+                getattr(self.state, name).copy_(getattr(old, name))
+        self.state.scale.copy_(self._round(scale).expand_as(self.state.scale))
+        self.state.growth_tracker.copy_(tracker.expand_as(self.state.growth_tracker))
+        self._last_stats = None
+
+    def _round(self, scale: torch.Tensor) -> torch.Tensor:
+        from strategies.max_ema import round_down_pow2  # the rule module imports this one
+
+        return round_down_pow2(scale) if self.pow2_scales else scale
+
+    def _check_initialized(self, funcname: str) -> RuleState:
+        if self.state is None:
             raise AssertionError(
                 f"Attempted {funcname} but the scale is not initialised. This may indicate your "
                 "script did not use strategy.scale(loss or outputs) earlier in the iteration."
             )
-        return self._scale
+        return self.state
+
+    def output_entry(self, t: torch.Tensor) -> torch.Tensor:
+        """The loss-side group's entry of a state tensor (``t`` itself for global rules)."""
+        return t[min(self.output_group, t.numel() - 1)] if t.dim() else t
+
+    def output_scale(self) -> torch.Tensor:
+        """The scale :meth:`scale` multiplies by: the loss-side group's for per-group rules."""
+        return self.output_entry(self._check_initialized("output_scale").scale)
 
     # ------------------------------------------------------------------ the API
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
         """Multiply a tensor (or an iterable of tensors, nested) by the current scale."""
-        if not self._enabled:
+        if not self.params.enabled:
             return outputs
-        if isinstance(outputs, torch.Tensor):
-            if self._scale is None:
-                self._lazy_init(outputs.device)
-            return outputs * self._output_scale().to(device=outputs.device, non_blocking=True)
 
         def apply(val: Any) -> Any:
             if isinstance(val, torch.Tensor):
-                if self._scale is None:
+                if self.state is None:
                     self._lazy_init(val.device)
-                return val * self._output_scale().to(device=val.device, non_blocking=True)
-            if isinstance(val, (list, tuple)):
-                return type(val)(apply(x) for x in val)
-            if isinstance(val, Iterable):
-                return map(apply, val)
+                return val * self.output_scale().to(device=val.device, non_blocking=True)
+            if isinstance(val, Iterable) and not isinstance(val, (str, bytes)):
+                iterable = map(apply, val)
+                return type(val)(iterable) if isinstance(val, (list, tuple)) else iterable
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
         return apply(outputs)
 
     def _wants_stats(self) -> bool:
-        return (
-            self.needs_stats
-            or self._track_stats
-            or self.num_groups > 1
-            or self._distributed_active()
-        )
+        return self.needs_stats or self.params.track_stats
 
-    def _distributed_active(self) -> bool:
-        if self._distributed == "off":
-            return False
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-    def _all_reduce(self, stats: GradStats) -> GradStats:
-        """Make every rank see the same statistics: one or two collectives, no host sync."""
-        mode = "replicated" if self._distributed == "auto" else self._distributed
-        g = stats.found_inf.numel()
-        if mode == "replicated":
-            packed = torch.cat([stats.found_inf.double(), stats.absmax.double(), stats.sumsq.double(),
-                                stats.zeros.double(), stats.subnormals.double(), stats.numel.double()])
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-            parts = packed.split(g)
-            return GradStats(parts[0].float(), parts[1].float(), parts[2].float(),
-                             parts[3].long(), parts[4].long(), parts[5].long())
-        peak = torch.cat([stats.found_inf, stats.absmax])
-        summed = torch.cat([stats.sumsq.double(), stats.zeros.double(),
-                            stats.subnormals.double(), stats.numel.double()])
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        p, s = peak.split(g), summed.split(g)
-        return GradStats(p[0], p[1], s[0].float(), s[1].long(), s[2].long(), s[3].long())
+    def _distributed_mode(self) -> str | None:
+        """``"replicated"``/``"sharded"`` when statistics must be reduced across ranks, else None."""
+        mode = self.params.distributed
+        if mode == "off" or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        return "replicated" if mode == "auto" else mode
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale every gradient of ``optimizer`` (per device), record found_inf and statistics."""
-        state = self._per_optimizer_states[id(optimizer)]
-        scale = self._check_initialized("unscale_")
-        params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if p.grad.dtype == torch.float16:  # as GradScaler: fp16 master grads are unsafe
-                        raise ValueError("Attempting to unscale FP16 gradients.")
-                    if p.grad.is_sparse:
-                        if p.grad.dtype is torch.float16:
-                            p.grad = p.grad.coalesce()
-                        g = p.grad._values()
-                    else:
-                        g = p.grad
-                    params[g.device].append(p)
-                    grads[g.device].append(g)
-        inv_all = self._inv_scales()
+        opt_state = self._per_optimizer_states[id(optimizer)]
+        state = self._check_initialized("unscale_")
+        params, grads = grads_by_device(optimizer)
+        # FP32 division can be imprecise for some compile options, so (as torch) the reciprocal
+        # is taken in FP64.
+        inv_all = state.scale.double().reciprocal().float()
         found: dict[torch.device, torch.Tensor] = {}
         total: GradStats | None = None
         for device, gs in grads.items():
             inv = inv_all.to(device, non_blocking=True)
             if self._wants_stats():
-                st = unscale_and_stats(gs, inv, self._group_index(params[device]), self.num_groups)
+                index = self.group_index(params[device]) if self.per_group else None
+                st = unscale_and_stats(gs, inv, index, self.num_groups)
                 found[device] = st.found_inf.amax()
-                st = st.to(scale.device)
+                st = st.to(state.scale.device)
                 total = st if total is None else total.combine(st)
             else:
                 f = torch.zeros((), dtype=torch.float32, device=device)
                 unscale_and_check(gs, inv, f)
                 found[device] = f
-        if self._distributed_active():
+        mode = self._distributed_mode()
+        if mode is not None:
             # Every rank must join the collective, even one that holds no gradient this step.
             if total is None:
-                total = GradStats.empty(self.num_groups, scale.device)
-            total = self._all_reduce(total)
-            found = {scale.device: total.found_inf.amax()}
-        state["found_inf_per_device"] = found
-        state["stats"] = total
+                total = GradStats.empty(self.num_groups, state.scale.device)
+            total = total.all_reduce(mode)
+            found = {state.scale.device: total.found_inf.amax()}
+        opt_state["found_inf_per_device"] = found
+        opt_state["stats"] = total
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ("unscale") ``optimizer``'s gradients by the scale, in place, and record
@@ -298,19 +224,17 @@ class Strategy:
         Must be called at most once per optimizer per :meth:`update`, after all gradients are
         accumulated; a second call raises ``RuntimeError`` (as GradScaler). No host sync.
         """
-        if not self._enabled:
+        if not self.params.enabled:
             return
         self._check_initialized("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
+        opt_state = self._per_optimizer_states[id(optimizer)]
+        if opt_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
+        if opt_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         self._unscale_grads_(optimizer)
-        state["stage"] = OptState.UNSCALED
-
-    def _found_inf_sum(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
-        return sum(t.to(device, non_blocking=True) for t in state["found_inf_per_device"].values())
+        opt_state["stage"] = OptState.UNSCALED
+        self.on_unscale(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` was called) and run ``optimizer.step(*args, **kwargs)``
@@ -321,17 +245,18 @@ class Strategy:
         optimizers with ``_step_supports_amp_scaling`` (fused Adam/SGD), which receive
         ``found_inf`` as a tensor and skip on the device.
         """
-        if not self._enabled:
+        if not self.params.enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        scale = self._check_initialized("step")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        state = self._check_initialized("step")
+        opt_state = self._per_optimizer_states[id(optimizer)]
+        if opt_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] is OptState.READY:
+        if opt_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        if len(state["found_inf_per_device"]) == 0:
+        found = opt_state["found_inf_per_device"]
+        if len(found) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if getattr(optimizer, "_step_supports_amp_scaling", False) and (
             "grad_scaler" not in inspect.signature(optimizer.step).parameters
@@ -339,7 +264,7 @@ class Strategy:
             # Gradients are already unscaled: hand the fused optimizer found_inf only (it skips
             # on the device), exactly torch's path for an optimizer that was unscale_()d.
             optimizer.grad_scale = None  # type: ignore[attr-defined]
-            optimizer.found_inf = self._found_inf_sum(state, scale.device)  # type: ignore[attr-defined]
+            optimizer.found_inf = sum(t.to(state.scale.device, non_blocking=True) for t in found.values())  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -347,9 +272,9 @@ class Strategy:
                 del optimizer.found_inf  # type: ignore[attr-defined]
         else:
             retval = None
-            if not sum(t.item() for t in state["found_inf_per_device"].values()):
+            if not sum(t.item() for t in found.values()):
                 retval = optimizer.step(*args, **kwargs)
-        state["stage"] = OptState.STEPPED
+        opt_state["stage"] = OptState.STEPPED
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -359,29 +284,14 @@ class Strategy:
         scale directly instead (a float, or a 1-element tensor on the strategy's device type),
         as GradScaler. No host sync.
         """
-        if not self._enabled:
+        if not self.params.enabled:
             return
-        scale = self._check_initialized("update")
+        state = self._check_initialized("update")
         if new_scale is not None:
-            if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-                scale.fill_(float(new_scale))
-            else:
-                reason = (
-                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                    "torch.FloatTensor with requires_grad=False."
-                )
-                if not isinstance(new_scale, torch.Tensor):
-                    raise AssertionError(reason)
-                if new_scale.device.type != scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
-                    raise AssertionError(reason)
-                scale.copy_(new_scale.reshape(()))
-            self._after_manual_scale()
+            self._set_scale(state, new_scale)
         else:
-            found = [
-                t.to(scale.device, non_blocking=True)
-                for st in self._per_optimizer_states.values()
-                for t in st["found_inf_per_device"].values()
-            ]
+            found = [t.to(state.scale.device, non_blocking=True)
+                     for st in self._per_optimizer_states.values() for t in st["found_inf_per_device"].values()]
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found_inf = found[0]
@@ -391,133 +301,98 @@ class Strategy:
             for st in self._per_optimizer_states.values():
                 if st["stats"] is not None:
                     stats = st["stats"] if stats is None else stats.combine(st["stats"])
-            self._update_scale(found_inf, stats)
-            self._clamp()
+            self.update_(found_inf, stats)
+            if self.params.min_scale is not None or self.params.max_scale is not None:
+                state.scale.clamp_(min=self.params.min_scale, max=self.params.max_scale)
             skipped = found_inf > 0
-            self._skipped.add_(skipped.to(torch.int64))
-            self._last_found_inf.copy_(skipped)
+            state.skipped_steps.add_(skipped.to(torch.int64))
+            state.found_inf.copy_(skipped)
             if stats is not None:
-                self._last_stats = stats.total()
+                self._last_stats = stats
+        self.updates += 1
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
-    def _after_manual_scale(self) -> None:
-        """Hook for per-group strategies to follow a manual ``update(new_scale)``."""
-
-    def _clamp(self) -> None:
-        if self._min_scale is not None or self._max_scale is not None:
-            assert self._scale is not None
-            self._scale.clamp_(min=self._min_scale, max=self._max_scale)
+    def _set_scale(self, state: RuleState, new_scale: float | torch.Tensor) -> None:
+        if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            state.scale.fill_(float(new_scale))
+        else:
+            reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                      "torch.FloatTensor with requires_grad=False.")
+            if not isinstance(new_scale, torch.Tensor):
+                raise AssertionError(reason)
+            if new_scale.device.type != state.scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
+                raise AssertionError(reason)
+            state.scale.copy_(new_scale.reshape(()).expand_as(state.scale))
+        state.scale.copy_(self._round(state.scale))
 
     # ------------------------------------------------------------------ queries
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Synchronises."""
-        if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
+        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises."""
+        return float(self._output_value("scale", self.params.init_scale)) if self.params.enabled else 1.0
 
     def is_enabled(self) -> bool:
-        return self._enabled
+        return self.params.enabled
 
     def get_growth_factor(self) -> float:
-        return self._growth_factor
+        return self.params.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = v.greater_than("growth_factor", new_factor, 1.0)
+        self.params = self.params.replace(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._backoff_factor
+        return self.params.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = v.open_interval("backoff_factor", new_factor, 0.0, 1.0)
+        self.params = self.params.replace(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._growth_interval
+        return self.params.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = v.int_at_least("growth_interval", new_interval, 1)
+        self.params = self.params.replace(growth_interval=new_interval)
 
     def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return int(self._output_value("growth_tracker", 0)) if self.params.enabled else 0
+
+    def _output_value(self, key: str, default: float) -> float:
+        """The loss-side group's entry ``key`` of the state, or of a loaded one not yet
+        initialised. Synchronises."""
+        if self.state is None:
+            value = self._pending.get(key, default)
+            return value[min(self.output_group, len(value) - 1)] if isinstance(value, list) else value
+        return self.output_entry(getattr(self.state, key)).item()
 
     def telemetry(self) -> dict[str, torch.Tensor]:
         """Device tensors describing the last completed :meth:`update` (no sync; read them at
-        your logging interval). Empty before the first :meth:`scale` or when disabled."""
-        if not self._enabled or self._scale is None:
-            return {}
-        s = self._last_stats
-        numel = s.numel.clamp(min=1).double()
-        t = {
-            "scale": self._scale.clone(),
-            "growth_tracker": self._growth_tracker.clone(),
-            "found_inf": self._last_found_inf.clone(),
-            "skipped_steps": self._skipped.clone(),
-            "grad_absmax": s.absmax.reshape(()).clone(),
-            "grad_norm": s.sumsq.reshape(()).sqrt(),
-            "grad_zero_frac": (s.zeros / numel).float().reshape(()),
-            "grad_subnormal_frac": (s.subnormals / numel).float().reshape(()),
-        }
-        t.update(self._extra_telemetry())
-        return t
+        your logging interval): ``scale`` (loss side), ``growth_tracker``, ``found_inf``,
+        ``skipped_steps``, ``grad_absmax``, ``grad_norm``, ``grad_zero_frac``,
+        ``grad_subnormal_frac``, every declared state tensor by name, and for per-group rules
+        ``scales``, ``group_growth_tracker``, ``group_absmax``, ``group_zero_frac`` (shape
+        ``[G]``). Empty before the first :meth:`scale` or when disabled."""
+        return telemetry_of(self) if self.params.enabled and self.state is not None else {}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The strategy's state as plain Python values (loadable with ``weights_only=True``).
-
-        Holds GradScaler's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
+        """The strategy's state as plain Python values (loadable with ``weights_only=True``):
+        GradScaler's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker``) — so GradScaler can load a ``native`` state —
-        plus ``strategy``, ``skipped_steps`` and the rule's own state. Empty when disabled.
-        Call after :meth:`update`. Synchronises.
-        """
-        if not self._enabled:
-            return {}
-        return {
-            "strategy": self.name,
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "skipped_steps": self._init_skipped if self._scale is None else int(self._skipped.item()),
-            "extra": self._extra_state_dict() if self._scale is not None else dict(self._pending_extra),
-        }
+        plus ``strategy``, ``skipped_steps``, ``updates``, ``group_names`` and ``extra`` (the
+        saved state tensors by name). Empty when disabled. Synchronises."""
+        return to_state_dict(self) if self.params.enabled else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (or a GradScaler state dict, for ``native``)."""
-        if not self._enabled:
+        """Restore :meth:`state_dict` (or a GradScaler state dict, for ``native``). Everything is
+        validated first: a bad entry raises one ``ValueError`` naming it and leaves the strategy
+        exactly as it was."""
+        if not self.params.enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
-        saved = state_dict.get("strategy", self.name)
-        if saved != self.name:
-            raise ValueError(f"state_dict is from strategy {saved!r}, cannot load it into {self.name!r}")
-        try:
-            scale = float(state_dict["scale"])
-            self._growth_factor = v.greater_than("growth_factor", state_dict["growth_factor"], 1.0)
-            self._backoff_factor = v.open_interval("backoff_factor", state_dict["backoff_factor"], 0.0, 1.0)
-            self._growth_interval = v.int_at_least("growth_interval", state_dict["growth_interval"], 1)
-            tracker = int(state_dict["_growth_tracker"])
-        except KeyError as e:
-            raise ValueError(f"state_dict is missing the entry {e.args[0]!r}") from None
-        self._init_scale = scale
-        self._init_growth_tracker = tracker
-        self._init_skipped = int(state_dict.get("skipped_steps", 0))
-        extra = dict(state_dict.get("extra", {}))
-        if self._scale is not None:
-            assert self._growth_tracker is not None
-            self._scale.fill_(scale)
-            self._growth_tracker.fill_(tracker)
-            self._skipped.fill_(self._init_skipped)
-            self._load_extra_state(extra)
+        params, updates, values = from_state_dict(self, state_dict)
+        self.params, self.updates = params, updates
+        if self.state is not None:
+            self.state.load_(values)
         else:
-            self._pending_extra = extra
+            self._pending = values
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(name={self.name!r}, enabled={self._enabled}, "
-            f"scale={'uninitialised' if self._scale is None else 'on ' + str(self._scale.device)})"
-        )
+        where = "uninitialised" if self.state is None else f"on {self.state.scale.device}"
+        return f"{type(self).__name__}(name={self.name!r}, enabled={self.params.enabled}, scale={where})"

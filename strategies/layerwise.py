@@ -2,32 +2,34 @@
 
 Rule (seed 003, section 3.3 "层级化动态缩放 (Layer-wise Scaling)": layers near the input usually
 have smaller gradients than layers near the output, so each layer group l keeps its own scale
-S_l). Groups are indexed 0..G-1; by default each top-level child module of the attached model
-that owns parameters (registration order; containers that are never called themselves —
-``ModuleList``, ``ModuleDict`` — are looked into, so ``blocks.0``, ``blocks.1``, ... are groups),
-or the modules matched by ``groups`` (fnmatch patterns over qualified module names; one group
-per pattern, outermost match, first pattern wins). Every trainable parameter must belong to a
+S_l). Groups are indexed 0..G-1; by default the model's layers
+(:func:`strategies.boundaries.layers`: its declared ``boundaries``, else each top-level child
+module that owns parameters, looking into ``ModuleList``/``ModuleDict``), or the modules
+matched by ``groups`` (fnmatch patterns over qualified module names; one group per pattern,
+outermost match, first pattern wins). Every trainable parameter must belong to a
 group, and a group whose parameters receive gradients must have been called in forward
 (:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
 
 Mechanics (all scales are powers of two, so every rescaling below is exact unless the result
 leaves the format's range — which is precisely what scaling is about):
 
-* :meth:`attach` puts a forward hook on each group module. In every forward pass it records the
-  sequence of group *calls* and registers a tensor hook on each call's output. In backward the
-  hook of call i (group a) receives the gradient of everything downstream of it, which is at
+* :meth:`attach` registers the ``"rescale"`` stage of the model's layer boundaries
+  (:mod:`strategies.boundaries`) on the group modules: every forward pass records the sequence
+  of group *calls*, and in backward the transform of call i (group a) receives the gradient of everything downstream of it, which is at
   the scale of the next call's group b (the loss side), and multiplies it by ``S_a / S_b`` (in
   float32, cast back to the gradient's dtype). Hence a group's parameter gradients carry S_l,
-  and the glue ops between two group calls work at the scale of the later group. Because hooks
+  and the glue ops between two group calls work at the scale of the later group. Because transforms
   are per call, a module called several times (shared weights, recurrences) is handled: each
   call converts to its successor's scale.
 * :meth:`scale` multiplies the loss by the scale of the group called last in the latest forward
   (the group nearest the loss); :meth:`get_scale` returns that scale.
-* :meth:`unscale_` divides each group's parameter gradients by its own S_l (``_inv_scales``).
-* Assumption: the group calls form a chain, i.e. what consumes call i's output lies between it
-  and call i+1 (sequential models, blocks with internal residuals). A skip connection that
-  jumps over a group boundary mixes scales. Not supported: activation checkpointing inside
-  groups, tied weights across groups, computing the loss from a non-final group's output.
+* :meth:`unscale_` divides each group's parameter gradients by its own S_l.
+* The group calls must form a chain: what consumes call i's output lies between it and call
+  i+1 (sequential models, blocks with internal residuals). The first forward pass after
+  :meth:`attach` checks this on the autograd graph and refuses a skip connection across a group
+  boundary with one error; groups that share parameters (tied weights) are merged into one at
+  :meth:`attach`, with one warning (:mod:`strategies.layer_groups`). Not supported: activation
+  checkpointing inside groups, computing the loss from a non-final group's output.
   ``copy.deepcopy`` of an attached model copies the hooks too: detach first.
 
 Update (per group, in place, no host sync):
@@ -49,20 +51,22 @@ Without :meth:`attach` it is a single-group strategy (max-EMA with power-of-two 
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.max_ema import FP16_MAX, max_ema_update_, round_down_pow2, validate_max_ema_rule
+from strategies import layer_groups
+from strategies.boundaries import Boundaries, Trace
+from strategies.max_ema import MaxEmaRule, max_ema_update_, round_down_pow2
 from strategies.native import backoff_growth_hysteresis_
+from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
+from strategies.state import State
 from strategies.stats import GradStats
 
 RULES = ("max_ema", "backoff_growth")
@@ -136,93 +140,72 @@ def layerwise_update_(
     origin.copy_(blamed.float())
 
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
-"""Modules that hold others but are never called: the default grouping looks inside them."""
-
-
 def _is_pow2(x: float) -> bool:
     m, _ = math.frexp(x)
     return m == 0.5
 
 
 @dataclass
-class _Trace:
-    """The group calls of one forward pass (host-side bookkeeping only)."""
+class LayerwiseParams(MaxEmaRule, ScalerParams):
+    init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1", "every group's initial scale, a power of two")
+    growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
+                                        "None = 1 for rule max_ema, 2000 for rule backoff_growth")
+    groups: Optional[List[str]] = hp(None, v.patterns, "scalelab",
+                                     "fnmatch patterns over module names, one group per pattern (None = the layers)")
+    rule: str = hp("max_ema", v.choice(*RULES), "seed 003 §3.3", "the per-group rule")
 
-    generation: int
-    calls: list[int] = field(default_factory=list)
-    out_group: int | None = None
+    def check(self) -> None:
+        super().check()
+        if self.growth_interval is None:
+            self.growth_interval = 1 if self.rule == "max_ema" else 2000
+        if not _is_pow2(self.init_scale):
+            v.fail("init_scale", "a power of two for layerwise (exact boundary rescaling)", self.init_scale)
+        lo, hi = self.pow2_bounds
+        if lo is not None and hi is not None and lo > hi:
+            v.fail("max_scale", f"a bound leaving a power of two in [min_scale={self.min_scale:g}, max_scale]",
+                   self.max_scale)
+
+    @property
+    def pow2_bounds(self) -> tuple[float | None, float | None]:
+        """The powers of two inside [min_scale, max_scale] (None: unbounded)."""
+        lo = None if self.min_scale is None else 2.0 ** math.ceil(math.log2(self.min_scale))
+        hi = None if self.max_scale is None else 2.0 ** math.floor(math.log2(self.max_scale))
+        return lo, hi
+
+
+def _per_group(name: str, dtype: torch.dtype, init: float, saved: bool = True, low: float | None = None) -> State:
+    return State(name, dtype, init, per_group=True, saved=saved, low=low)
 
 
 @register_strategy("layerwise")
 class LayerwiseStrategy(Strategy):
     """Per-layer-group power-of-two scales with exact boundary rescaling (seed 003, section 3.3;
-    mechanics in the module docstring).
+    mechanics in the module docstring). ``attach(model)`` installs the boundary transforms."""
 
-    Args:
-        init_scale: initial scale of every group, a power of two (default 2^15).
-        growth_interval: default ``None`` = 1 for ``rule="max_ema"`` and 2000 for
-            ``"backoff_growth"``.
-        groups: fnmatch patterns over qualified module names, one group per pattern
-            (default ``None``: each top-level child module that owns parameters).
-        rule: ``"max_ema"`` (default) or ``"backoff_growth"`` (torch's rule per group).
-        target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow: the max-EMA rule's parameters
-            (see :class:`strategies.max_ema.MaxEmaStrategy`).
-        min_scale, max_scale: bounds; the effective bounds are the powers of two inside them.
-        other arguments: see :class:`strategies.base.Strategy`.
-    """
-
+    Params = LayerwiseParams
     needs_stats = True
+    per_group = True
+    pow2_scales = True
+    state_spec = (
+        _per_group("ema", torch.float32, 0.0),
+        _per_group("ema_steps", torch.int32, 0, low=0),
+        _per_group("hysteresis", torch.int32, 1),
+        _per_group("candidate", torch.float32, math.nan, saved=False),
+        _per_group("overflow_origin", torch.float32, 0.0, saved=False),
+        _per_group("emitted", torch.float32, 0.0, saved=False),
+        _per_group("contaminated", torch.float32, 0.0, saved=False),
+    )
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**15,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int | None = None,
-        enabled: bool = True,
-        *,
-        groups: Sequence[str] | None = None,
-        rule: str = "max_ema",
-        target_max: float = 32768.0,
-        format_max: float = FP16_MAX,
-        ema_decay: float = 0.99,
-        zero_grads: str = "grow",
-        cap_ema_on_overflow: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        rule = v.one_of("rule", rule, RULES)
-        if growth_interval is None:
-            growth_interval = 1 if rule == "max_ema" else 2000
-        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
-        if not _is_pow2(self._init_scale):
-            v.fail("init_scale", "a power of two for layerwise (exact boundary rescaling)", init_scale)
-        self._rule = rule
-        self._target_max, self._format_max, self._ema_decay, self._zero_grads, self._cap_ema = (
-            validate_max_ema_rule(target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow)
-        )
-        if groups is not None:
-            if isinstance(groups, str) or not all(isinstance(g, str) for g in groups):
-                v.fail("groups", "a list of fnmatch patterns (strings) or None", groups)
-            groups = list(groups)
-            if not groups:
-                v.fail("groups", "a non-empty list or None", groups)
-        self._patterns: list[str] | None = groups
-        lo = None if self._min_scale is None else 2.0 ** math.ceil(math.log2(self._min_scale))
-        hi = None if self._max_scale is None else 2.0 ** math.floor(math.log2(self._max_scale))
-        if lo is not None and hi is not None and lo > hi:
-            v.fail("max_scale", f"a bound leaving a power of two in [min_scale={self._min_scale:g}, max_scale]",
-                   self._max_scale)
-        self._lo_pow2, self._hi_pow2 = lo, hi
-        # Group structure (host side).
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._group_names: list[str] = ["all"]
         self._param_group: dict[int, int] = {}
-        self._handles: list[Any] = []
+        self._module_group: dict[int, int] = {}
+        self._handle: Any = None
         self._generation = 0
-        self._trace: _Trace | None = None
-        self._out_group = 0
         self._called: set[int] = set()
-        self._scales: torch.Tensor | None = None
+        self._called_at = -1
+        self._chain_checked = True
 
     # ------------------------------------------------------------------ groups
     @property
@@ -233,45 +216,13 @@ class LayerwiseStrategy(Strategy):
     def group_names(self) -> list[str]:
         return list(self._group_names)
 
-    def _resolve_groups(self, model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-        if self._patterns is None:
-            found: list[tuple[str, list[torch.nn.Module]]] = []
-
-            def visit(prefix: str, parent: torch.nn.Module) -> None:
-                for n, m in parent.named_children():
-                    name = f"{prefix}{n}"
-                    if not any(p.requires_grad for p in m.parameters()):
-                        continue
-                    if isinstance(m, _CONTAINERS):  # never called itself: its members are
-                        visit(name + ".", m)
-                    else:
-                        found.append((name, [m]))
-
-            visit("", model)
-            return found
-        out: list[tuple[str, list[torch.nn.Module]]] = [(p, []) for p in self._patterns]
-        taken: list[str] = []
-        for name, mod in model.named_modules():
-            if name == "" or any(name.startswith(t + ".") for t in taken):
-                continue
-            for k, pat in enumerate(self._patterns):
-                if fnmatch.fnmatchcase(name, pat):
-                    out[k][1].append(mod)
-                    taken.append(name)
-                    break
-        for pat, mods in out:
-            if not mods:
-                raise ValueError(f"groups pattern {pat!r} matches no module of {type(model).__name__}")
-        return out
-
     def attach(self, model: torch.nn.Module) -> "LayerwiseStrategy":
-        """Split ``model`` into groups and install the boundary hooks (replacing earlier ones).
-
-        Raises ``ValueError`` if a trainable parameter belongs to no group."""
+        """Split ``model`` into groups and register the boundary rescaling (replacing an earlier
+        attach). Raises ``ValueError`` if a trainable parameter belongs to no group."""
         self.detach()
-        if not self._enabled:
+        if not self.params.enabled:
             return self
-        resolved = self._resolve_groups(model)
+        resolved = layer_groups.resolve(model, self.params.groups)
         if not resolved:  # a leaf model: one group, no boundary
             resolved = [(type(model).__name__, [])]
             param_group = {id(p): 0 for p in model.parameters()}
@@ -285,211 +236,105 @@ class LayerwiseStrategy(Strategy):
         if missing:
             raise ValueError(f"layerwise: parameters {missing} belong to no group; "
                              "pass groups=[...] patterns that cover every trainable parameter")
-        old_out = self._scale
         self._group_names = [n for n, _ in resolved]
         self._param_group = param_group
-        self._out_group = len(resolved) - 1
+        self._module_group = {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods}
         self._generation += 1
-        handles = [model.register_forward_pre_hook(self._start_trace),
-                   model.register_forward_hook(self._end_trace)]
-        for gi, (_, mods) in enumerate(resolved):
-            for m in mods:
-                handles.append(m.register_forward_hook(self._make_group_hook(gi)))
-        self._handles = handles
-        if old_out is not None:
-            self._init_extra_state(old_out.device, fill=old_out)
+        self._chain_checked = len(resolved) < 2
+        self.regroup_()
+        self.output_group = len(resolved) - 1
+        modules = [m for _, mods in resolved for m in mods]
+        if modules:
+            gen = self._generation
+            self._handle = Boundaries.of(model).register(
+                "rescale", modules,
+                on_grad=lambda trace, i, g: self._rescale(gen, trace, i, g),
+                on_call=lambda trace, i: self._on_call(gen, trace, i),
+                on_end=lambda trace: self._on_end(gen, trace),
+            )
         return self
 
     def detach(self) -> None:
-        """Remove every hook; back to one group at the current loss-side scale."""
-        for h in self._handles:
-            h.remove()
-        was_grouped = bool(self._handles) or self.num_groups > 1
-        self._handles = []
+        """Remove the boundary transforms; back to one group at the current loss-side scale."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
         self._generation += 1
-        self._trace = None
         self._called = set()
-        if was_grouped:
+        if self.num_groups > 1 or self._param_group:
             self._group_names = ["all"]
-            self._param_group = {}
-            self._out_group = 0
-            if self._scale is not None:
-                self._init_extra_state(self._scale.device, fill=self._scale)
+            self._param_group, self._module_group = {}, {}
+            self.regroup_()
 
-    # ------------------------------------------------------------------ forward / backward hooks
-    def _start_trace(self, module: torch.nn.Module, args: Any) -> None:
-        self._trace = _Trace(self._generation)
+    # ------------------------------------------------------------------ forward / backward
+    def _group_calls(self, trace: Trace) -> list[int]:
+        return [self._module_group.get(id(m), -1) for m in trace.calls]
 
-    def _end_trace(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        trace = self._trace
-        if trace is not None and trace.calls:
-            trace.out_group = trace.calls[-1]
-            self._out_group = trace.out_group
-            if self._scales is not None and self._scale is not None:
-                self._scale.copy_(self._scales[self._out_group])
-                self._growth_tracker.copy_(self._trackers[self._out_group])  # type: ignore[union-attr]
-        self._trace = None
+    def _on_call(self, gen: int, trace: Trace, i: int) -> None:
+        if gen != self._generation:
+            return
+        if self._called_at != self.updates:
+            self._called, self._called_at = set(), self.updates
+        self._called.add(self._module_group[id(trace.calls[i])])
 
-    def _make_group_hook(self, gi: int):
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            if self._trace is None:
-                self._trace = _Trace(self._generation)
-            trace = self._trace
-            i = len(trace.calls)
-            trace.calls.append(gi)
-            self._called.add(gi)
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._make_boundary(trace, i))
-        return hook
+    def _on_end(self, gen: int, trace: Trace) -> None:
+        mine = [g for g in self._group_calls(trace) if g >= 0]
+        if gen == self._generation and mine:
+            self.output_group = mine[-1]
+            if not self._chain_checked:  # once per attach: skip connections across groups
+                layer_groups.check_chain(trace, self._module_group, self._group_names)
+                self._chain_checked = True
 
-    def _make_boundary(self, trace: _Trace, i: int):
-        def boundary(grad: torch.Tensor) -> torch.Tensor | None:
-            if trace.generation != self._generation or self._scales is None:
-                return None
-            a = trace.calls[i]
-            if i + 1 < len(trace.calls):
-                b = trace.calls[i + 1]
-            else:
-                b = trace.out_group if trace.out_group is not None else self._out_group
-            if a == b:
-                return None
-            bad = (~torch.isfinite(grad)).any().float()
-            self._contaminated[a] = torch.maximum(self._contaminated[a], bad)
-            self._emitted[b] = torch.maximum(self._emitted[b], bad)
-            ratio = self._scales[a] / self._scales[b]
-            if grad.dtype.itemsize < 4:  # fp16/bf16/fp8: the ratio may not fit the format
-                return (grad.float() * ratio).to(grad.dtype)
-            return grad * ratio.to(grad.dtype)
-        return boundary
+    def _rescale(self, gen: int, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Gradient of call i (group a), at the scale of the next call's group b: x S_a / S_b."""
+        if gen != self._generation or self.state is None:
+            return None
+        calls = self._group_calls(trace)
+        a = calls[i]
+        later = [g for g in calls[i + 1:] if g >= 0]
+        b = later[0] if later else ([g for g in calls if g >= 0][-1] if trace.finished else self.output_group)
+        if a == b:
+            return None
+        s = self.state
+        bad = (~torch.isfinite(grad)).any().float()
+        s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
+        s.emitted[b] = torch.maximum(s.emitted[b], bad)
+        ratio = s.scale[a] / s.scale[b]
+        if grad.dtype.itemsize < 4:  # fp16/bf16/fp8: the ratio may not fit the format
+            return (grad.float() * ratio).to(grad.dtype)
+        return grad * ratio.to(grad.dtype)
 
-    # ------------------------------------------------------------------ state
-    def _init_extra_state(self, device: torch.device, fill: torch.Tensor | None = None) -> None:
-        G = self.num_groups
-        f = dict(dtype=torch.float32, device=device)
-        i = dict(dtype=torch.int32, device=device)
-        start = self._scale if fill is None else fill
-        assert start is not None
-        self._scales = round_down_pow2(start.detach().reshape(()).to(**f).expand(G).clone())
-        self._trackers = self._growth_tracker.detach().reshape(()).expand(G).clone() \
-            if self._growth_tracker is not None else torch.zeros(G, **i)
-        self._ema = torch.zeros(G, **f)
-        self._ema_steps = torch.zeros(G, **i)
-        self._candidate = torch.full((G,), math.nan, **f)
-        self._hysteresis = torch.ones(G, **i)
-        self._contaminated = torch.zeros(G, **f)
-        self._emitted = torch.zeros(G, **f)
-        self._origin = torch.zeros(G, **f)
-        self._group_stats = GradStats.empty(G, device)
-        self._sync_out()
-
-    def _sync_out(self) -> None:
-        assert self._scales is not None and self._scale is not None and self._growth_tracker is not None
-        k = min(self._out_group, self.num_groups - 1)
-        self._scale.copy_(self._scales[k])
-        self._growth_tracker.copy_(self._trackers[k])
-
-    def _output_scale(self) -> torch.Tensor:
-        assert self._scales is not None
-        return self._scales[min(self._out_group, self.num_groups - 1)]
-
-    def _group_index(self, params: list[torch.Tensor]) -> list[int] | None:
+    def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
+        """Each parameter's group. Refuses gradients whose scale is unknown: a group whose
+        parameters received gradients but whose modules were not called (with grad enabled) since
+        the last update. Host-side (Python sets), no tensor read."""
         if not self._param_group:
             return None
         try:
-            return [self._param_group[id(p)] for p in params]
+            index = [self._param_group[id(p)] for p in params]
         except KeyError:
             raise ValueError("layerwise: the optimizer holds a parameter outside the attached model") from None
-
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse gradients whose scale is unknown: a group whose parameters received gradients
-        but whose modules were never called (with grad enabled) since the last update — e.g. a
-        pattern naming a ModuleList, or parameters used outside their module. Host-side check
-        (``p.grad is None`` and Python sets), no tensor read."""
-        if self._handles and self.num_groups > 1:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    gi = self._param_group.get(id(p))
-                    if p.grad is not None and gi is not None and gi not in self._called:
-                        raise RuntimeError(
-                            f"layerwise: group {self._group_names[gi]!r} has gradients but none of its "
-                            "modules was called in forward since the last update, so their scale is "
-                            "unknown; choose groups (patterns) of modules that are called")
-        super()._unscale_grads_(optimizer)
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        super().update(new_scale)
-        self._called = set()
-
-    def _inv_scales(self) -> torch.Tensor:
-        assert self._scales is not None
-        return self._scales.double().reciprocal().float()
-
-    def _after_manual_scale(self) -> None:
-        assert self._scales is not None and self._scale is not None
-        self._scale.copy_(round_down_pow2(self._scale))
-        self._scales.copy_(self._scale.expand_as(self._scales))
+        if self._handle is not None and self.num_groups > 1:
+            called = self._called if self._called_at == self.updates else set()
+            for gi in sorted(set(index) - called):
+                raise RuntimeError(
+                    f"layerwise: group {self._group_names[gi]!r} has gradients but none of its "
+                    "modules was called in forward since the last update, so their scale is "
+                    "unknown; choose groups (patterns) of modules that are called")
+        return index
 
     # ------------------------------------------------------------------ the rule
-    def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        assert self._scales is not None and stats is not None
-        args = (
-            self._scales, self._trackers, self._ema, self._ema_steps, self._hysteresis,
-            self._candidate, self._origin,
-            found_inf, stats.found_inf, stats.absmax, stats.numel, self._emitted, self._contaminated,
-            self._rule, self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
-            self._growth_interval, self._zero_grads == "grow", self._lo_pow2, self._hi_pow2,
-        )
-        # The fused op (cuda/) when built, else torch ops; the fused op has no EMA cap option.
-        if self._cap_ema or not kernels.layerwise_update_(*args):
-            layerwise_update_(*args, cap_ema_on_overflow=self._cap_ema)
-        self._group_stats = stats
-        self._contaminated.zero_()
-        self._emitted.zero_()
-        self._sync_out()
-
-    # ------------------------------------------------------------------ checkpoints, telemetry
-    def _extra_state_dict(self) -> dict[str, Any]:
-        assert self._scales is not None
-        return {
-            "group_names": list(self._group_names),
-            "rule": self._rule,
-            "scales": self._scales.tolist(),
-            "trackers": self._trackers.tolist(),
-            "ema": self._ema.tolist(),
-            "ema_steps": self._ema_steps.tolist(),
-            "hysteresis": self._hysteresis.tolist(),
-        }
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        assert self._scales is not None
-        if "scales" not in state:
-            self._init_extra_state(self._scales.device)
-            return
-        names = list(state.get("group_names", []))
-        if names != self._group_names:
-            raise ValueError(f"layerwise state_dict has groups {names}, this strategy has "
-                             f"{self._group_names}; attach(model) the same way before loading")
-        dev = self._scales.device
-        self._scales.copy_(torch.tensor(state["scales"], dtype=torch.float32, device=dev))
-        self._trackers.copy_(torch.tensor(state["trackers"], dtype=torch.int32, device=dev))
-        self._ema.copy_(torch.tensor(state["ema"], dtype=torch.float32, device=dev))
-        self._ema_steps.copy_(torch.tensor(state["ema_steps"], dtype=torch.int32, device=dev))
-        self._hysteresis.copy_(torch.tensor(state["hysteresis"], dtype=torch.int32, device=dev))
-        self._sync_out()
-
-    def _extra_telemetry(self) -> dict[str, torch.Tensor]:
-        assert self._scales is not None
-        s = self._group_stats
-        numel = s.numel.clamp(min=1).double()
-        return {
-            "scales": self._scales.clone(),
-            "group_growth_tracker": self._trackers.clone(),
-            "group_ema": self._ema.clone(),
-            "group_candidate": self._candidate.clone(),
-            "group_absmax": s.absmax.clone(),
-            "group_zero_frac": (s.zeros / numel).float(),
-            "overflow_origin": self._origin.clone(),
-        }
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        assert stats is not None
+        p, s = self.params, self.state
+        lo, hi = p.pow2_bounds
+        args = (s.scale, s.growth_tracker, s.ema, s.ema_steps, s.hysteresis, s.candidate, s.overflow_origin,
+                found_inf, stats.found_inf, stats.absmax, stats.numel, s.emitted, s.contaminated,
+                p.rule, p.target_max, p.ema_decay, p.growth_factor, p.backoff_factor, p.growth_interval,
+                p.zero_grads == "grow", lo, hi)
+        if p.cap_ema_on_overflow:  # TODO(cuda branch): the op gains cap_ema_on_overflow
+            layerwise_update_(*args, cap_ema_on_overflow=True)
+        else:
+            kernels.dispatch("layerwise_update_", layerwise_update_, *args)
+        s.contaminated.zero_()
+        s.emitted.zero_()

@@ -45,14 +45,17 @@ Known weakness, kept visible: one outlier gradient makes ``c`` collapse for a st
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
 
 import torch
 
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
+from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
+from strategies.state import State
 from strategies.stats import GradStats
 
 FP16_MAX = 65504.0
@@ -130,96 +133,54 @@ def max_ema_update_(
     growth_tracker.copy_(t)
 
 
-def validate_max_ema_rule(
-    target_max: Any, format_max: Any, ema_decay: Any, zero_grads: Any, cap_ema_on_overflow: Any
-) -> tuple[float, float, float, str, bool]:
-    """Validate the max-EMA rule's hyper-parameters (shared with ``layerwise``'s per-group rule);
-    returns ``(target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow)``."""
-    fmax = v.finite_positive("format_max", format_max)
-    tmax = v.finite_positive("target_max", target_max)
-    if tmax > fmax:
-        v.fail("target_max", f"<= format_max ({fmax:g})", target_max)
-    return (
-        tmax,
-        fmax,
-        v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0),
-        v.one_of("zero_grads", zero_grads, ZERO_GRADS_MODES),
-        v.boolean("cap_ema_on_overflow", cap_ema_on_overflow),
-    )
+@dataclass
+class MaxEmaRule:
+    """The max-EMA rule's own hyper-parameters (shared by ``max_ema`` and ``layerwise``)."""
+
+    target_max: float = hp(32768.0, v.finite_positive, "seed 003 §4.6",
+                           "where the largest scaled gradient should land (<= format_max)")
+    format_max: float = hp(FP16_MAX, v.finite_positive, "IEEE fp16", "largest finite value of the gradient format")
+    ema_decay: float = hp(0.99, v.between(0.0, 1.0, "[)"), "seed 003 §4.6", "d of the EMA (0 = no smoothing)")
+    zero_grads: str = hp("grow", v.choice(*ZERO_GRADS_MODES), "scalelab", "all-zero gradients: grow | keep")
+    cap_ema_on_overflow: bool = hp(False, v.boolean, "scalelab", "an overflow also caps the EMA at the backed-off S")
+
+    def check(self) -> None:
+        super().check()  # type: ignore[misc]
+        if self.target_max > self.format_max:
+            v.fail("target_max", f"<= format_max ({self.format_max:g})", self.target_max)
+
+
+@dataclass
+class MaxEmaParams(MaxEmaRule, ScalerParams):
+    init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1 (starting value of max scaling)")
+    growth_interval: int = hp(1, v.integer(1), "scalelab", "finite steps after an overflow before S may grow again")
+    round_pow2: bool = hp(False, v.boolean, "scalelab", "round S down to a power of two after every update")
+
+
+MAX_EMA_STATE = (
+    State("ema", torch.float32, 0.0),
+    State("ema_steps", torch.int32, 0, low=0),
+    State("candidate", torch.float32, math.nan, saved=False),
+)
 
 
 @register_strategy("max_ema")
 class MaxEmaStrategy(Strategy):
     """Max-value scaling: S follows an EMA of ``target_max / absmax(grads)``, growth capped at
     ``x growth_factor`` per update, big drops backed off by ``x backoff_factor``, non-finite
-    steps skipped and backed off (seed 003, section 3.1; full rule in the module docstring).
+    steps skipped and backed off (seed 003, section 3.1; full rule in the module docstring)."""
 
-    Args:
-        init_scale: initial S (default 2^15, the seed's starting value for max-value scaling).
-        growth_interval: finite steps required after an overflow before S may grow again
-            (default 1: every step).
-        target_max: where the largest scaled gradient should land (default 32768, > 0,
-            <= format_max).
-        format_max: largest finite value of the gradient format (default 65504, fp16).
-        ema_decay: d in [0, 1) (default 0.99; 0 = no smoothing).
-        round_pow2: round S down to a power of two after every update (default False).
-        zero_grads: ``"grow"`` (default) or ``"keep"``: what an all-zero gradient step does.
-        cap_ema_on_overflow: an overflow also caps the EMA at the backed-off S (default False).
-        other arguments: see :class:`strategies.base.Strategy`.
-    """
-
+    Params = MaxEmaParams
+    state_spec = MAX_EMA_STATE
     needs_stats = True
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**15,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1,
-        enabled: bool = True,
-        *,
-        target_max: float = 32768.0,
-        format_max: float = FP16_MAX,
-        ema_decay: float = 0.99,
-        round_pow2: bool = False,
-        zero_grads: str = "grow",
-        cap_ema_on_overflow: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
-        self._target_max, self._format_max, self._ema_decay, self._zero_grads, self._cap_ema = (
-            validate_max_ema_rule(target_max, format_max, ema_decay, zero_grads, cap_ema_on_overflow)
-        )
-        self._round_pow2 = v.boolean("round_pow2", round_pow2)
-
-    def _init_extra_state(self, device: torch.device) -> None:
-        self._ema = torch.zeros((), dtype=torch.float32, device=device)
-        self._ema_steps = torch.zeros((), dtype=torch.int32, device=device)
-        self._candidate = torch.full((), float("nan"), dtype=torch.float32, device=device)
-
-    def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        assert self._scale is not None and self._growth_tracker is not None and stats is not None
-        args = (
-            self._scale, self._ema, self._ema_steps, self._growth_tracker, self._candidate,
-            found_inf, stats.absmax.amax(),
-            self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
-            self._growth_interval, self._round_pow2, self._zero_grads == "grow",
-        )
-        # The fused op (cuda/) when built, else torch ops; the fused op has no EMA cap option.
-        if self._cap_ema or not kernels.max_ema_update_(*args):
-            max_ema_update_(*args, cap_ema_on_overflow=self._cap_ema)
-
-    def _extra_state_dict(self) -> dict[str, Any]:
-        return {"ema": float(self._ema.item()), "ema_steps": int(self._ema_steps.item())}
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if "ema" in state:
-            self._ema.fill_(float(state["ema"]))
-            self._ema_steps.fill_(int(state.get("ema_steps", 1)))
-
-    def _extra_telemetry(self) -> dict[str, torch.Tensor]:
-        return {
-            "ema": self._ema.clone(),
-            "ema_steps": self._ema_steps.clone(),
-            "candidate": self._candidate.clone(),
-        }
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        assert stats is not None
+        p, s = self.params, self.state
+        args = (s.scale, s.ema, s.ema_steps, s.growth_tracker, s.candidate, found_inf, stats.absmax.amax(),
+                p.target_max, p.ema_decay, p.growth_factor, p.backoff_factor, p.growth_interval,
+                p.round_pow2, p.zero_grads == "grow")
+        if p.cap_ema_on_overflow:  # TODO(cuda branch): the op gains cap_ema_on_overflow
+            max_ema_update_(*args, cap_ema_on_overflow=True)
+        else:
+            kernels.dispatch("max_ema_update_", max_ema_update_, *args)

@@ -22,13 +22,16 @@ by default, so ``native`` is bit-identical to ``torch.amp.GradScaler``.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
+from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
+from strategies.state import State
 from strategies.stats import GradStats
 
 
@@ -58,66 +61,26 @@ def backoff_growth_hysteresis_(
     hysteresis_tracker.copy_(torch.where(grow, torch.full_like(h_after, hysteresis), h_after))
 
 
+@dataclass
+class NativeParams(ScalerParams):
+    hysteresis: int = hp(1, v.integer(1), "Megatron-LM DynamicGradScaler (1 = torch)",
+                         "overflows tolerated before backing off, refilled at each growth")
+
+
 @register_strategy("native")
 class NativeStrategy(Strategy):
     """Backoff/growth dynamic loss scaling — ``torch.amp.GradScaler``'s rule, optionally with
-    Megatron-style hysteresis and a [min_scale, max_scale] clamp.
+    Megatron-style hysteresis and a [min_scale, max_scale] clamp (module docstring)."""
 
-    Args:
-        hysteresis: overflows tolerated before backing off, refilled at each growth
-            (integer >= 1; 1 = torch's behaviour).
-        other arguments: see :class:`strategies.base.Strategy`.
-    """
+    Params = NativeParams
+    state_spec = (State("hysteresis_tracker", torch.int32, lambda p: p.hysteresis),)
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        *,
-        hysteresis: int = 1,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
-        self._hysteresis = v.int_at_least("hysteresis", hysteresis, 1)
-        self._init_hysteresis_tracker = self._hysteresis
-
-    def _init_extra_state(self, device: torch.device) -> None:
-        self._hysteresis_tracker = torch.full(
-            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
-        )
-
-    def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        assert self._scale is not None and self._growth_tracker is not None
-        if self._hysteresis == 1:
-            torch._amp_update_scale_(
-                self._scale,
-                self._growth_tracker,
-                found_inf,
-                self._growth_factor,
-                self._backoff_factor,
-                self._growth_interval,
-            )
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        p, s = self.params, self.state
+        if p.hysteresis == 1:  # exactly torch.amp.GradScaler
+            torch._amp_update_scale_(s.scale, s.growth_tracker, found_inf,
+                                     p.growth_factor, p.backoff_factor, p.growth_interval)
         else:
-            backoff_growth_hysteresis_(
-                self._scale,
-                self._growth_tracker,
-                self._hysteresis_tracker,
-                found_inf,
-                self._growth_factor,
-                self._backoff_factor,
-                self._growth_interval,
-                self._hysteresis,
-            )
-
-    def _extra_state_dict(self) -> dict[str, Any]:
-        return {"hysteresis": self._hysteresis, "hysteresis_tracker": int(self._hysteresis_tracker.item())}
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if "hysteresis_tracker" in state:
-            self._hysteresis_tracker.fill_(int(state["hysteresis_tracker"]))
-
-    def _extra_telemetry(self) -> dict[str, torch.Tensor]:
-        return {"hysteresis_tracker": self._hysteresis_tracker.clone()} if self._hysteresis > 1 else {}
+            kernels.dispatch("native_update_", backoff_growth_hysteresis_, s.scale, s.growth_tracker,
+                             s.hysteresis_tracker, found_inf, p.growth_factor, p.backoff_factor,
+                             p.growth_interval, p.hysteresis)

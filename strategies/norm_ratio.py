@@ -62,16 +62,18 @@ import fnmatch
 import math
 import time
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
+from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
-from strategies.stats import GradStats
+from strategies.state import State
+from strategies.stats import GradStats, mean_over_ranks_
 
 LOG2_RATIO_CLAMP = 16.0
 
@@ -137,60 +139,45 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns)
 
 
+@dataclass
+class NormRatioParams(ScalerParams):
+    probe_interval: int = hp(50, v.integer(1), "seed 003 §3.2", "steps between fp32 reference probes")
+    threshold_high: float = hp(8.0, v.finite_positive, "seed 003 §4.6", "ratio above which S doubles")
+    threshold_low: float = hp(0.125, v.finite_positive, "seed 003 §4.6", "ratio below which S halves")
+    ema_decay: float = hp(0.5, v.between(0.0, 1.0, "[)"), "scalelab", "geometric EMA of the ratio across probes")
+    probe_layers: Optional[List[str]] = hp(None, v.patterns, "scalelab",
+                                           "fnmatch patterns over parameter names restricting the probe")
+
+    def check(self) -> None:
+        super().check()
+        if self.threshold_high <= self.threshold_low:
+            v.fail("threshold_high", f"> threshold_low ({self.threshold_low:g})", self.threshold_high)
+
+
 @register_strategy("norm_ratio")
 class NormRatioStrategy(Strategy):
     """Norm-ratio scaling: every ``probe_interval`` steps compare ``||g_fp32||`` with the
     unscaled mixed-precision ``||g_mp / S||`` and double / halve S past the thresholds; backoff/
     growth (torch's rule) in between (seed 003, section 3.2; full rule in the module docstring).
+    Give the reference with :meth:`set_reference`."""
 
-    Args:
-        probe_interval: steps between probes (integer >= 1, default 50).
-        threshold_high: ratio above which S doubles (default 8, > threshold_low).
-        threshold_low: ratio below which S halves (default 0.125, > 0).
-        ema_decay: d in [0, 1) of the geometric EMA of the ratio across probes (default 0.5).
-        probe_layers: optional fnmatch patterns restricting the probed parameters by name.
-        other arguments: see :class:`strategies.base.Strategy` (growth_interval etc. drive the
-            backoff/growth rule between probes, torch's defaults).
-    """
+    Params = NormRatioParams
+    state_spec = (
+        State("log_ratio_ema", torch.float32, 0.0),
+        State("ema_steps", torch.int32, 0, low=0),
+        State("probe_count", torch.int64, 0, low=0),
+        State("norm_ratio", torch.float32, math.nan, saved=False),
+        State("probe_time_s", torch.float64, 0.0, saved=False),
+        State("probe_last_time_s", torch.float64, 0.0, saved=False),
+    )
 
-    needs_stats = False
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        *,
-        probe_interval: int = 50,
-        threshold_high: float = 8.0,
-        threshold_low: float = 0.125,
-        ema_decay: float = 0.5,
-        probe_layers: Sequence[str] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, **kwargs)
-        self._probe_interval = v.int_at_least("probe_interval", probe_interval, 1)
-        self._threshold_low = v.finite_positive("threshold_low", threshold_low)
-        self._threshold_high = v.finite_positive("threshold_high", threshold_high)
-        if self._threshold_high <= self._threshold_low:
-            v.fail("threshold_high", f"> threshold_low ({self._threshold_low:g})", threshold_high)
-        self._ema_decay = v.half_open_interval("ema_decay", ema_decay, 0.0, 1.0)
-        if probe_layers is not None:
-            if isinstance(probe_layers, str) or not all(isinstance(p, str) for p in probe_layers):
-                v.fail("probe_layers", "a list of fnmatch patterns (strings) or None", probe_layers)
-            probe_layers = list(probe_layers)
-            if not probe_layers:
-                v.fail("probe_layers", "a non-empty list or None", probe_layers)
-        self._probe_layers: list[str] | None = probe_layers
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._closure: Callable[[], torch.Tensor] | None = None
         self._ref_params: list[tuple[str | None, torch.Tensor]] | None = None
         self._model_params: list[tuple[str | None, torch.Tensor]] | None = None
         self._warned = False
-        self._init_step = 0
-        self._step_i = 0
-        self._reset_probe()
+        self._reset_probe(-1)
 
     # ----------------------------------------------------------------- loop helpers
     def set_reference(self, closure: Callable[[], torch.Tensor] | None,
@@ -228,94 +215,77 @@ class NormRatioStrategy(Strategy):
         named = self._ref_params or self._model_params
         if named is None:
             named = [(None, p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        if self._probe_layers is not None:
+        patterns = self.params.probe_layers
+        if patterns is not None:
             if any(n is None for n, _ in named) and self._model_params is not None:
                 by_id = {id(p): n for n, p in self._model_params}
                 named = [(n if n is not None else by_id.get(id(p)), p) for n, p in named]
             if any(n is None for n, _ in named):
                 raise ValueError("probe_layers needs named parameters: pass params=model.named_parameters() "
                                  "to set_reference or call attach(model)")
-            named = [(n, p) for n, p in named if _matches(n, self._probe_layers)]  # type: ignore[arg-type]
+            named = [(n, p) for n, p in named if _matches(n, patterns)]  # type: ignore[arg-type]
             if not named:
-                raise ValueError(f"probe_layers {self._probe_layers!r} match no parameter")
+                raise ValueError(f"probe_layers {patterns!r} match no parameter")
         return [p for _, p in named]
 
-    # ----------------------------------------------------------------- state
-    def _reset_probe(self) -> None:
+    # ----------------------------------------------------------------- the probe
+    def _reset_probe(self, step: int) -> None:
+        """Forget the probe scratch of an earlier step (host-side lists and the two sums)."""
+        self._probe_step = step
         self._probe_set: list[torch.Tensor] | None = None
         self._probe_ids: set[int] = set()
         self._probe_seen: set[int] = set()
         self._ref_sumsq: torch.Tensor | None = None
         self._mp_sumsq: torch.Tensor | None = None
 
-    def _init_extra_state(self, device: torch.device) -> None:
-        f = dict(dtype=torch.float32, device=device)
-        self._log_ratio_ema = torch.zeros((), **f)
-        self._ema_steps = torch.zeros((), dtype=torch.int32, device=device)
-        self._last_ratio = torch.full((), math.nan, **f)
-        self._probe_count = torch.zeros((), dtype=torch.int64, device=device)
-        self._probe_time = torch.zeros((), dtype=torch.float64, device=device)
-        self._probe_last_time = torch.zeros((), dtype=torch.float64, device=device)
-        self._step_i = self._init_step
-
-    def _is_probe_step(self) -> bool:
-        return self._step_i % self._probe_interval == 0
-
-    # ----------------------------------------------------------------- the probe
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> None:
-        super()._unscale_grads_(optimizer)
-        if not self._is_probe_step():
+    def on_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """On probe steps (``updates % probe_interval == 0``): the fp32 reference at the first
+        optimizer unscaled in the step, and the mixed-precision norm of every probed gradient."""
+        if self._probe_step != self.updates:
+            self._reset_probe(self.updates)
+        if self.updates % self.params.probe_interval != 0:
             return
         if self._closure is None:
             if not self._warned:
                 warnings.warn("norm_ratio: no reference closure (set_reference) — behaving as "
-                              "backoff/growth (native) until one is given", stacklevel=4)
+                              "backoff/growth (native) until one is given", stacklevel=3)
                 self._warned = True
             return
-        assert self._scale is not None
+        s = self.state
         t0 = time.perf_counter()
         if self._probe_set is None:
+            s.probe_last_time_s.zero_()
+            s.probe_count.add_(1)
             self._run_reference(optimizer)
         self._accumulate_mp(optimizer)
         dt = time.perf_counter() - t0
-        self._probe_time.add_(dt)
-        self._probe_last_time.add_(dt)
+        s.probe_time_s.add_(dt)
+        s.probe_last_time_s.add_(dt)
 
     def _run_reference(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self._scale is not None and self._closure is not None
+        assert self._closure is not None
         params = self._probe_params(optimizer)
         self._probe_set = params
         self._probe_ids = {id(p) for p in params}
-        self._probe_last_time.zero_()
-        self._probe_count.add_(1)
-        dev = self._scale.device
+        dev = self.state.scale.device
         with torch.enable_grad(), torch.autocast(dev.type, enabled=False):
             loss = self._closure()
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("norm_ratio: the reference closure must return a scalar loss tensor")
             grads = torch.autograd.grad(loss.float().reshape(()), params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-        if self._dist_mode() == "replicated":
+        if self._distributed_mode() == "replicated":
             # DDP: the mixed-precision gradient is the mean over ranks of each rank's batch
-            # gradient, so the reference must be that mean too (the probe's one collective).
+            # gradient, so the reference must be that mean too.
             flat = torch.cat([g.float().reshape(-1).to(dev) for g in grads]) if grads \
                 else torch.zeros(0, device=dev)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(dist.get_world_size())
-            self._ref_sumsq = flat.square().sum()
+            self._ref_sumsq = mean_over_ranks_(flat).square().sum()
             return
         sq = [g.float().square().sum().to(dev) for g in grads]
         self._ref_sumsq = torch.stack(sq).sum() if sq else torch.zeros((), device=dev)
 
-    def _dist_mode(self) -> str | None:
-        """None (single process), ``"replicated"`` (DDP) or ``"sharded"`` (see the base class)."""
-        if not self._distributed_active():
-            return None
-        return "sharded" if self._distributed == "sharded" else "replicated"
-
     def _accumulate_mp(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self._scale is not None
-        dev = self._scale.device
+        dev = self.state.scale.device
         mine = [p.grad for g in optimizer.param_groups for p in g["params"]
                 if id(p) in self._probe_ids and id(p) not in self._probe_seen and p.grad is not None]
         self._probe_seen.update(id(p) for g in optimizer.param_groups for p in g["params"])
@@ -328,60 +298,20 @@ class NormRatioStrategy(Strategy):
         self._mp_sumsq = sq if self._mp_sumsq is None else self._mp_sumsq + sq
 
     # ----------------------------------------------------------------- the rule
-    def _update_scale(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        assert self._scale is not None and self._growth_tracker is not None
-        probed = self._ref_sumsq is not None
-        zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        mode = self._dist_mode()
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        p, s = self.params, self.state
+        dev = s.scale.device
+        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        probed = self._probe_step == self.updates and self._ref_sumsq is not None
+        ref = self._ref_sumsq.float() if probed else zero
+        mp = self._mp_sumsq.float() if probed and self._mp_sumsq is not None else zero
+        mode = self._distributed_mode()
         if probed and mode is not None:
-            # Every rank takes the same decision: the norms are reduced like the statistics
-            # (replicated: MAX, the values agree unless a rank's gradient was changed after
-            # backward; sharded: SUM of the ranks' disjoint shares).
-            assert self._ref_sumsq is not None
-            pair = torch.stack([self._ref_sumsq.float(),
-                                (self._mp_sumsq if self._mp_sumsq is not None else zero).float()])
-            dist.all_reduce(pair, op=dist.ReduceOp.SUM if mode == "sharded" else dist.ReduceOp.MAX)
-            self._ref_sumsq, self._mp_sumsq = pair[0], pair[1]
-        args = (
-            self._scale, self._growth_tracker, self._log_ratio_ema, self._ema_steps, self._last_ratio,
-            found_inf,
-            self._ref_sumsq if probed else zero,
-            (self._mp_sumsq if self._mp_sumsq is not None else zero) if probed else zero,
-            probed,
-            self._growth_factor, self._backoff_factor, self._growth_interval,
-            self._threshold_high, self._threshold_low, self._ema_decay,
-        )
-        if not kernels.norm_ratio_update_(*args):  # the fused op (cuda/) when built, else torch ops
-            norm_ratio_update_(*args)
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """As :meth:`Strategy.update`; also advances the (host-side) probe schedule."""
-        super().update(new_scale)
-        if self._enabled:
-            self._step_i += 1
-            self._reset_probe()
-
-    # ----------------------------------------------------------------- checkpoints, telemetry
-    def _extra_state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self._step_i,
-            "log_ratio_ema": float(self._log_ratio_ema.item()),
-            "ema_steps": int(self._ema_steps.item()),
-            "probe_count": int(self._probe_count.item()),
-        }
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._step_i = int(state.get("step", 0))
-        self._init_step = self._step_i
-        self._log_ratio_ema.fill_(float(state.get("log_ratio_ema", 0.0)))
-        self._ema_steps.fill_(int(state.get("ema_steps", 0)))
-        self._probe_count.fill_(int(state.get("probe_count", 0)))
-
-    def _extra_telemetry(self) -> dict[str, torch.Tensor]:
-        return {
-            "probe_count": self._probe_count.clone(),
-            "probe_time_s": self._probe_time.clone(),
-            "probe_last_time_s": self._probe_last_time.clone(),
-            "norm_ratio": self._last_ratio.clone(),
-            "norm_ratio_ema": torch.exp2(self._log_ratio_ema),
-        }
+            # Every rank takes the same decision: the probe's two sums reduce like the statistics
+            # (group 0 = reference, group 1 = mixed precision).
+            pair = GradStats.empty(2, dev)
+            pair.sumsq.copy_(torch.stack([ref, mp]))
+            ref, mp = pair.all_reduce(mode).sumsq.unbind()
+        kernels.dispatch("norm_ratio_update_", norm_ratio_update_, s.scale, s.growth_tracker, s.log_ratio_ema,
+                         s.ema_steps, s.norm_ratio, found_inf, ref, mp, probed, p.growth_factor,
+                         p.backoff_factor, p.growth_interval, p.threshold_high, p.threshold_low, p.ema_decay)

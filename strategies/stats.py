@@ -20,6 +20,7 @@ the oracle of the kernel tests.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -69,6 +70,31 @@ class GradStats:
             self.numel + other.numel,
         )
 
+    def all_reduce(self, mode: str) -> "GradStats":
+        """The statistics of every rank, the same on all ranks (one or two collectives, no sync).
+
+        ``mode="replicated"`` (DDP: every rank holds the full gradient): MAX over ranks for every
+        field, so ranks agree even if one saw an Inf the others did not. ``mode="sharded"``
+        (FSDP/ZeRO: disjoint shards): MAX for ``found_inf``/``absmax``, SUM for the sums and counts.
+        Every rank must call it, also one that holds no gradient (pass :meth:`empty`).
+        """
+        import torch.distributed as dist
+
+        g = self.found_inf.numel()
+        if mode == "replicated":
+            packed = torch.cat([getattr(self, f.name).double() for f in fields(self)])
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+            parts = packed.split(g)
+            return GradStats(*(p.to(getattr(self, f.name).dtype) for p, f in zip(parts, fields(self))))
+        if mode != "sharded":
+            raise ValueError(f"mode must be 'replicated' or 'sharded', got {mode!r}")
+        peak = torch.cat([self.found_inf, self.absmax])
+        summed = torch.cat([self.sumsq.double(), self.zeros.double(), self.subnormals.double(), self.numel.double()])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        p, s = peak.split(g), summed.split(g)
+        return GradStats(p[0], p[1], s[0].float(), s[1].long(), s[2].long(), s[3].long())
+
     def total(self) -> "GradStats":
         """Reduce over groups: every field becomes shape ``[1]``."""
         return GradStats(
@@ -79,6 +105,35 @@ class GradStats:
             self.subnormals.sum(0, keepdim=True),
             self.numel.sum(0, keepdim=True),
         )
+
+
+def grads_by_device(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[torch.device, list[torch.Tensor]], dict[torch.device, list[torch.Tensor]]]:
+    """The parameters with a gradient and their gradients (values of sparse ones), by device.
+
+    Raises ``ValueError`` for an fp16 gradient, as GradScaler does (fp16 master gradients are
+    unsafe to unscale)."""
+    params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            g = p.grad._values() if p.grad.is_sparse else p.grad
+            params[g.device].append(p)
+            grads[g.device].append(g)
+    return params, grads
+
+
+def mean_over_ranks_(t: torch.Tensor) -> torch.Tensor:
+    """``t`` replaced in place by its mean over the ranks of the default process group."""
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.div_(dist.get_world_size())
 
 
 def _group_lists(

@@ -7,7 +7,7 @@ and the value it got, e.g. ``growth_factor must be > 1, got 0.5``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 
 def fail(field: str, allowed: str, value: Any) -> None:
@@ -70,3 +70,67 @@ def one_of(field: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         fail(field, "one of " + ", ".join(repr(c) for c in choices), value)
     return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Check factories for hyper-parameter declarations (strategies/params.py): each returns a
+# ``check(field, value) -> normalised value`` that raises the one-line ValueError above.
+# ---------------------------------------------------------------------------------------------
+Check = Callable[[str, Any], Any]
+
+
+def above(bound: float) -> Check:
+    return lambda field, value: greater_than(field, value, bound)
+
+
+def between(lo: float, hi: float, closed: str = "()") -> Check:
+    """``lo < value < hi`` (``"()"``), ``lo <= value < hi`` (``"[)"``) or ``lo <= value <= hi`` (``"[]"``)."""
+    if closed == "()":
+        return lambda field, value: open_interval(field, value, lo, hi)
+    if closed == "[)":
+        return lambda field, value: half_open_interval(field, value, lo, hi)
+
+    def closed_interval(field: str, value: Any) -> float:
+        x = _real(field, value)
+        if not (lo <= x <= hi):
+            fail(field, f"in [{lo:g}, {hi:g}]", value)
+        return x
+
+    return closed_interval
+
+
+def integer(at_least: int) -> Check:
+    return lambda field, value: int_at_least(field, value, at_least)
+
+
+def choice(*choices: str) -> Check:
+    return lambda field, value: one_of(field, value, choices)
+
+
+def optional(check: Check) -> Check:
+    """``None`` or what ``check`` accepts."""
+    return lambda field, value: None if value is None else check(field, value)
+
+
+def patterns(field: str, value: Any) -> list[str] | None:
+    """``None`` or a non-empty list of fnmatch patterns (strings)."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        fail(field, "a list of fnmatch patterns (strings) or None", value)
+    if not value:
+        fail(field, "a non-empty list or None", value)
+    return list(value)
+
+
+def device(field: str, value: Any) -> str | None:
+    """``None`` or a device string torch understands (``"cpu"``, ``"cuda"``, ``"cuda:1"``)."""
+    if value is None:
+        return None
+    import torch
+
+    try:
+        return str(torch.device(value))
+    except (RuntimeError, TypeError):
+        fail(field, "a torch device such as 'cpu', 'cuda' or 'cuda:0', or None", value)
+    raise AssertionError  # unreachable

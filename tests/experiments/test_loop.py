@@ -134,4 +134,4 @@ def test_workloads_run_in_every_precision(tmp_path: Path, model: str, precision:
     assert math.isfinite(summary["final_eval_loss"])
     if model == "gpt":
         assert summary["final_eval_metric"] == pytest.approx(summary["final_eval_loss"] / math.log(2))
-        assert set(rows[0]["act_zero_frac"]) == {"embed", "blocks.0", "head"}
+        assert set(rows[0]["act_zero_frac"]) == {"embed", "blocks.0", "ln_f", "head"}  # the layers (strategies.boundaries)

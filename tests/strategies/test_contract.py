@@ -271,3 +271,67 @@ def test_invalid_hyperparameter_names_field_value_and_range(name: str, field: st
 def test_min_scale_above_max_scale_rejected(name: str) -> None:
     with pytest.raises(ValueError, match=r"min_scale must be <= max_scale"):
         strategies.create(name, min_scale=8.0, max_scale=4.0)
+
+
+def train_a_few_steps(s, model, opt) -> None:
+    """Four steps, the third poisoned: what every rule must survive with statistics on or off."""
+    for step in range(4):
+        one_step(model, opt, s, step, poison="inf" if step == 2 else None)
+    tel = s.telemetry()
+    assert tel["skipped_steps"].item() == 1 and math.isfinite(s.get_scale()) and s.get_scale() > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("track_stats", [True, False])
+def test_trains_with_statistics_tracking_on_and_off(name: str, track_stats: bool) -> None:
+    """With ``track_stats=False`` a rule gets statistics only if it declares ``needs_stats``."""
+    model, opt, s = setup(name, track_stats=track_stats)
+    s.attach(model)
+    train_a_few_steps(s, model, opt)
+
+
+def test_a_rule_that_reads_statistics_without_declaring_it_fails_the_contract() -> None:
+    """The contract run with ``track_stats=False`` catches an undeclared ``needs_stats``."""
+    undeclared = type("Undeclared", (strategies.get("max_ema"),), {"needs_stats": False})
+    model, opt, _ = setup("native")
+    train_a_few_steps(undeclared(track_stats=True), model, opt)  # statistics gathered anyway: passes
+    with pytest.raises((AssertionError, AttributeError, TypeError)):
+        train_a_few_steps(undeclared(track_stats=False), model, opt)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("when", ["before_init", "after_init"])
+@pytest.mark.parametrize("key,value,message", [
+    ("scale", math.nan, "'scale' must be finite"),
+    ("scale", math.inf, "'scale' must be finite"),
+    ("scale", 0.0, "'scale' must be > 0"),
+    ("scale", -5.0, "'scale' must be > 0"),
+    ("scale", "big", "'scale' must be a number"),
+    ("scale", 2.0**20, r"'scale' must be within \[min_scale=1.0, max_scale=65536.0\]"),
+    ("_growth_tracker", -1, "'growth_tracker' must be >= 0"),
+    ("_growth_tracker", 2.5, "'growth_tracker' must be an integer"),
+    ("growth_factor", 0.5, "growth_factor must be > 1"),
+    ("growth_interval", 0, "growth_interval must be an integer >= 1"),
+    ("skipped_steps", -3, "'skipped_steps' must be >= 0"),
+    ("updates", -1, "'updates' must be a non-negative integer"),
+    ("extra", [1, 2], "'extra' must be a dict"),
+])
+def test_load_state_dict_validates_everything_before_changing_anything(
+        name: str, when: str, key: str, value, message: str) -> None:
+    """A bad entry raises one ValueError naming it; the strategy is exactly as it was (the good
+    entries of the same dict — here growth_factor 3 and growth_interval 7 — are not applied)."""
+    model, opt, s = setup(name, init_scale=2.0**10, growth_interval=2, min_scale=1.0, max_scale=2.0**16)
+    s.attach(model)
+    if when == "after_init":
+        for step in range(3):
+            one_step(model, opt, s, step)
+    before = s.state_dict()
+    bad = copy.deepcopy(before)
+    bad.update(growth_factor=3.0, growth_interval=7)
+    bad[key] = value
+    if s.per_group and key in ("scale", "_growth_tracker"):  # per-group vectors are checked too
+        bad["extra"][key.lstrip("_")] = [value] * s.num_groups
+    with pytest.raises(ValueError, match=message):
+        s.load_state_dict(bad)
+    assert s.state_dict() == before
+    assert s.get_growth_factor() == before["growth_factor"] and s.get_growth_interval() == 2

@@ -80,7 +80,7 @@ def step_once(model, opt, s, step, *, autocast=True, poison_param=False):
 
 def set_scales(s, scales: list[float]) -> None:
     sd = s.state_dict()
-    sd["extra"]["scales"] = scales
+    sd["extra"]["scale"] = scales  # per-group state is saved under its state name
     s.load_state_dict(sd)
 
 
@@ -411,3 +411,23 @@ def test_manual_update_sets_every_group_to_a_power_of_two() -> None:
     s.step(opt)
     s.update(3.0)  # as GradScaler.update(new_scale); rounded down to keep the rescaling exact
     assert s.telemetry()["scales"].tolist() == [2.0] * 5 and s.get_scale() == 2.0
+
+
+@pytest.mark.parametrize("entry,value,message", [
+    ("scale", [2.0**4, math.nan, 2.0**4, 2.0**4, 2.0**4], r"'scale\[1\]' must be finite"),
+    ("scale", [2.0**4] * 3, "'scale' must be a list of 5 numbers"),
+    ("ema", [0.0, 0.0, -math.inf, 0.0, 0.0], r"'ema\[2\]' must be finite"),
+    ("ema_steps", [0, 0, 0, 0, -1], r"'ema_steps\[4\]' must be >= 0"),
+])
+def test_per_group_state_is_validated_before_loading(entry: str, value, message: str) -> None:
+    model = deep_mlp(seed=12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    s = strategies.create("layerwise").attach(model)
+    for step in range(2):
+        step_once(model, opt, s, step)
+    before = s.state_dict()
+    bad = copy.deepcopy(before)
+    bad["extra"][entry] = value
+    with pytest.raises(ValueError, match=message):
+        s.load_state_dict(bad)
+    assert s.state_dict() == before

@@ -2,7 +2,7 @@
 
 Random sequences of steps whose gradients are finite, huge, tiny, zero, NaN or Inf — injected
 either into the whole loss or inside the network, below its first layer — must keep every
-scale finite, positive and inside [min_scale, max_scale]; a step is skipped exactly when its
+scale finite, positive and inside [min_scale, max_scale] (with statistics tracking on and off); a step is skipped exactly when its
 gradients are non-finite; a skipped step leaves parameters and optimizer state bit-identical.
 """
 
@@ -57,15 +57,15 @@ def scales_of(s) -> list[float]:
 @pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=15, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(steps=STEPS, bounded=st.booleans())
-def test_random_gradient_sequences_keep_the_invariants(name: str, steps, bounded: bool) -> None:
+@given(steps=STEPS, bounded=st.booleans(), track_stats=st.booleans())
+def test_random_gradient_sequences_keep_the_invariants(name: str, steps, bounded: bool, track_stats: bool) -> None:
     torch.manual_seed(0)
     inject = Inject()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), inject, torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     lo, hi = BOUNDS if bounded else (None, None)
     s = strategies.create(name, init_scale=2.0**10, growth_interval=1, min_scale=lo, max_scale=hi,
-                          **EXTRA.get(name, {}))
+                          track_stats=track_stats, **EXTRA.get(name, {}))
     s.attach(model)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     loss_factor = {"v": 1.0}

@@ -1,0 +1,204 @@
+"""Device state: a rule declares named tensors with initial values; the base class does the rest.
+
+A declaration is a :class:`State` (name, dtype, initial value or a function of the parameters,
+whether it has one entry per layer group, whether checkpoints keep it, its lowest valid value).
+:class:`RuleState` holds the live tensors (``state.scale``, ``state.ema``, ...), turns them into
+plain Python values for ``state_dict`` and back, and validates a loaded state completely before
+anything is changed (:func:`validated`, :func:`from_state_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from strategies.stats import GradStats
+
+__all__ = ["RuleState", "State", "base_state", "from_state_dict", "telemetry_of", "to_state_dict", "validated"]
+
+
+@dataclass(frozen=True)
+class State:
+    """One named device tensor of a strategy.
+
+    Args:
+        name: attribute name (``strategy.state.<name>``), telemetry key and ``state_dict`` key.
+        dtype: ``torch.float32``, ``torch.int32`` or ``torch.int64`` (what the kernels take).
+        init: initial value, or ``init(params) -> value``.
+        per_group: shape ``[G]`` (one entry per layer group) instead of ``[]``.
+        saved: kept in ``state_dict`` (telemetry-only values are not).
+        low: the smallest valid value when loading (``None``: any); floats must also be finite.
+    """
+
+    name: str
+    dtype: torch.dtype
+    init: float | int | Callable[[Any], float | int] = 0
+    per_group: bool = False
+    saved: bool = True
+    low: float | None = None
+
+    def initial(self, params: Any) -> float | int:
+        return self.init(params) if callable(self.init) else self.init
+
+
+def base_state(per_group: bool) -> tuple[State, ...]:
+    """The state every strategy has: GradScaler's scale and growth tracker, plus skip counters."""
+    return (
+        State("scale", torch.float32, lambda p: p.init_scale, per_group=per_group, low=0.0),
+        State("growth_tracker", torch.int32, 0, per_group=per_group, low=0),
+        State("skipped_steps", torch.int64, 0, low=0),
+        State("found_inf", torch.float32, 0.0, saved=False),
+    )
+
+
+
+class RuleState:
+    """The live state tensors of one strategy, by attribute (``state.scale``, ``state.ema``)."""
+
+    def __init__(self, specs: Iterable[State], params: Any, num_groups: int, device: torch.device) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.num_groups = num_groups
+        for s in self.specs.values():
+            shape = (num_groups,) if s.per_group else ()
+            setattr(self, s.name, torch.full(shape, s.initial(params), dtype=s.dtype, device=device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.specs}
+
+    def saved(self) -> dict[str, Any]:
+        """Saved entries as Python numbers (per-group ones as lists). Synchronises."""
+        return {n: getattr(self, n).tolist() for n, s in self.specs.items() if s.saved}
+
+    def load_(self, values: dict[str, Any]) -> None:
+        """Copy already :func:`validated` values into the tensors."""
+        for name, value in values.items():
+            t = getattr(self, name)
+            t.copy_(torch.as_tensor(value, dtype=t.dtype).reshape(t.shape))
+
+
+def _number(key: str, value: Any, spec: State) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"state_dict entry {key!r} must be a number, got {value!r}")
+    if spec.dtype.is_floating_point:
+        if not math.isfinite(value):
+            raise ValueError(f"state_dict entry {key!r} must be finite, got {value!r}")
+    elif not float(value).is_integer():
+        raise ValueError(f"state_dict entry {key!r} must be an integer, got {value!r}")
+    if spec.low is not None and (value < spec.low or (spec.name == "scale" and value <= 0)):
+        bound = "> 0" if spec.name == "scale" else f">= {spec.low:g}"
+        raise ValueError(f"state_dict entry {key!r} must be {bound}, got {value!r}")
+    return float(value) if spec.dtype.is_floating_point else int(value)
+
+
+def validated(specs: Iterable[State], values: dict[str, Any], num_groups: int) -> dict[str, Any]:
+    """Check every entry of ``values`` that a spec names (type, finiteness, bound, length) and
+    return them normalised; raise one ``ValueError`` naming the first bad key. Unknown keys are
+    ignored and missing ones keep their current values."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        if not spec.saved or spec.name not in values:
+            continue
+        value = values[spec.name]
+        if spec.per_group:
+            if not isinstance(value, (list, tuple)) or len(value) != num_groups:
+                raise ValueError(
+                    f"state_dict entry {spec.name!r} must be a list of {num_groups} numbers (one per group), "
+                    f"got {value!r}"
+                )
+            out[spec.name] = [_number(f"{spec.name}[{i}]", x, spec) for i, x in enumerate(value)]
+        else:
+            out[spec.name] = _number(spec.name, value, spec)
+    return out
+
+
+def to_state_dict(strategy: Any) -> dict[str, Any]:
+    """``strategy.state_dict()`` of an enabled strategy (see :meth:`Strategy.state_dict`)."""
+    extra = strategy.state.saved() if strategy.state is not None else dict(strategy._pending)
+    skipped = int(extra.pop("skipped_steps", 0))
+    if not strategy.per_group:  # top-level, as GradScaler's; per-group vectors stay in extra
+        extra.pop("scale", None)
+        extra.pop("growth_tracker", None)
+    p = strategy.params
+    return {
+        "strategy": strategy.name,
+        "scale": strategy.get_scale(),
+        "growth_factor": p.growth_factor,
+        "backoff_factor": p.backoff_factor,
+        "growth_interval": p.growth_interval,
+        "_growth_tracker": strategy._get_growth_tracker(),
+        "skipped_steps": skipped,
+        "updates": strategy.updates,
+        "group_names": strategy.group_names,
+        "extra": extra,
+    }
+
+
+def from_state_dict(strategy: Any, sd: Any) -> tuple[Any, int, dict[str, Any]]:
+    """Validate ``sd`` completely against ``strategy``; return ``(params, updates, values)`` to
+    apply. Raises one ``ValueError`` naming the first bad entry (``RuntimeError`` for an empty
+    dict, as GradScaler)."""
+    if not isinstance(sd, dict):
+        raise ValueError(f"state_dict must be a dict, got {type(sd).__name__}")
+    if len(sd) == 0:
+        raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                           "from a disabled instance of GradScaler.")
+    saved = sd.get("strategy", strategy.name)
+    if saved != strategy.name:
+        raise ValueError(f"state_dict is from strategy {saved!r}, cannot load it into {strategy.name!r}")
+    missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+               if k not in sd]
+    if missing:
+        raise ValueError(f"state_dict is missing the entry {missing[0]!r}")
+    params = strategy.params.replace(growth_factor=sd["growth_factor"], backoff_factor=sd["backoff_factor"],
+                                     growth_interval=sd["growth_interval"])
+    groups, names = strategy.num_groups, sd.get("group_names", strategy.group_names)
+    if strategy.per_group and list(names) != strategy.group_names:
+        raise ValueError(f"state_dict has groups {list(names)}, this strategy has {strategy.group_names}; "
+                         "attach(model) the same way before loading")
+    extra = sd.get("extra", {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"state_dict entry 'extra' must be a dict, got {extra!r}")
+    values = {**extra, "scale": sd["scale"], "growth_tracker": sd["_growth_tracker"],
+              "skipped_steps": sd.get("skipped_steps", 0)}
+    top = validated(base_state(False), values, 1)  # GradScaler's entries, also for per-group rules
+    if strategy.per_group:  # the per-group vectors live in extra; the top level holds the loss side's
+        values["scale"] = extra.get("scale", [top["scale"]] * groups)
+        values["growth_tracker"] = extra.get("growth_tracker", [top["growth_tracker"]] * groups)
+    values = validated(strategy._specs(), values, groups)
+    lo, hi = params.min_scale, params.max_scale
+    for s in values["scale"] if isinstance(values["scale"], list) else [values["scale"]]:
+        if (lo is not None and s < lo) or (hi is not None and s > hi):
+            raise ValueError(f"state_dict entry 'scale' must be within [min_scale={lo}, max_scale={hi}], got {s!r}")
+    updates = sd.get("updates", 0)
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+        raise ValueError(f"state_dict entry 'updates' must be a non-negative integer, got {updates!r}")
+    return params, updates, values
+
+
+def telemetry_of(strategy: Any) -> dict[str, torch.Tensor]:
+    """``strategy.telemetry()`` of an initialised, enabled strategy (see its docstring)."""
+    tensors = strategy.state.tensors()
+    t = {name: value.clone() for name, value in tensors.items()}
+    gt = tensors["growth_tracker"]
+    t["scale"] = strategy.output_scale().clone()
+    t["growth_tracker"] = strategy.output_entry(gt).clone()
+    s = strategy._last_stats
+    if s is None:
+        s = GradStats.empty(strategy.num_groups, strategy.state.scale.device)
+        s.absmax.fill_(math.nan)
+        s.sumsq.fill_(math.nan)
+    if strategy.per_group:
+        t["scales"] = tensors["scale"].clone()
+        t["group_growth_tracker"] = gt.clone()
+        t["group_absmax"] = s.absmax.clone()
+        t["group_zero_frac"] = (s.zeros / s.numel.clamp(min=1).double()).float()
+    total = s.total()
+    numel = total.numel.clamp(min=1).double()
+    t["grad_absmax"] = total.absmax.reshape(()).clone()
+    t["grad_norm"] = total.sumsq.reshape(()).sqrt()
+    t["grad_zero_frac"] = (total.zeros / numel).float().reshape(())
+    t["grad_subnormal_frac"] = (total.subnormals / numel).float().reshape(())
+    return t

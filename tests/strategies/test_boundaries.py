@@ -1,0 +1,123 @@
+"""The one layer-boundary module: the layers of a model, the fixed order rescale -> quantize ->
+observe whatever the order of attaching, ``disabled()``, and hooks that leave with their users."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import strategies
+from strategies.boundaries import Boundaries, layers
+
+
+def mlp(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_layers_are_declared_boundaries_or_the_children_that_own_parameters() -> None:
+    from experiments.models import GPT
+
+    assert layers(mlp()) == ["0", "2", "3"]  # Tanh owns no parameter
+    gpt = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    assert layers(gpt) == ["embed", "blocks.0", "blocks.1", "ln_f", "head"]
+    gpt.boundaries = None  # not declared: found by looking inside the ModuleList
+    assert layers(gpt) == ["embed", "blocks.0", "blocks.1", "ln_f", "head"]
+
+
+def grads_with(order: list[str], seed: int = 1) -> list[torch.Tensor]:
+    """Parameter gradients with a 'quantize' user (round to 1/8) and a 'rescale' user (x4) on
+    layer '2', registered in ``order``; the observer records what arrives."""
+    model = mlp(seed)
+    b = Boundaries.of(model)
+    seen: list[torch.Tensor] = []
+    users = {
+        "rescale": lambda: b.register("rescale", [model[2]], on_grad=lambda t, i, g: g * 4.0),
+        "quantize": lambda: b.register("quantize", [model[2]], on_grad=lambda t, i, g: torch.round(g * 8) / 8),
+        "observe": lambda: b.register("observe", [model[2]], on_grad=lambda t, i, g: seen.append(g.clone())),
+    }
+    for name in order:
+        users[name]()
+    torch.manual_seed(5)
+    x = torch.randn(16, 4)
+    F.mse_loss(model(x), torch.zeros(16, 1)).backward()
+    return [p.grad for p in model.parameters()] + seen
+
+
+@pytest.mark.parametrize("order", [["quantize", "rescale", "observe"], ["observe", "quantize", "rescale"],
+                                   ["rescale", "observe", "quantize"]])
+def test_stage_order_is_fixed_whatever_the_order_of_attaching(order: list[str]) -> None:
+    ref = grads_with(["rescale", "quantize", "observe"])
+    got = grads_with(order)
+    assert len(got) == len(ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_rescale_comes_before_quantize() -> None:
+    """quantize(rescale(g)) differs from rescale(quantize(g)) here; the former is what happens."""
+    model = mlp(1)
+    torch.manual_seed(5)
+    x = torch.randn(16, 4)
+    out = model[0:3](x)
+    g_out = torch.autograd.grad(F.mse_loss(model[3](out), torch.zeros(16, 1)), out)[0]
+    expected = torch.round(g_out * 4.0 * 8) / 8
+    assert not torch.equal(expected, torch.round(g_out * 8) / 8 * 4.0)
+    seen = grads_with(["quantize", "rescale", "observe"])[-1]
+    assert torch.equal(seen, expected)
+
+
+def test_layerwise_and_fp8_hooks_agree_in_either_order() -> None:
+    from experiments.precision import BoundaryHooks, Precision
+
+    fp8 = Precision.from_config({"name": "fp8_e5m2", "autocast": "bfloat16", "grad_format": "float8_e5m2",
+                                 "max": 57344.0, "smallest_normal": 2.0**-14})
+    results = []
+    for first in ("strategy", "precision"):
+        model = mlp(3)
+        s = strategies.create("layerwise", init_scale=2.0**4)
+        if first == "strategy":
+            s.attach(model)
+            hooks = BoundaryHooks(model, fp8)
+        else:
+            hooks = BoundaryHooks(model, fp8)
+            s.attach(model)
+        s.scale(torch.ones(()))
+        sd = s.state_dict()
+        sd["extra"]["scale"] = [2.0**-3, 2.0**9, 2.0**4]
+        s.load_state_dict(sd)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        torch.manual_seed(7)
+        x = torch.randn(16, 4)
+        s.scale(F.mse_loss(model(x), torch.ones(16, 1))).backward()
+        s.unscale_(opt)
+        results.append([p.grad.clone() for p in model.parameters()])
+        hooks.remove()
+        s.detach()
+        assert hook_count(model) == 0
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_disabled_runs_no_transform_and_handles_remove_their_hooks() -> None:
+    model = mlp(2)
+    ref = copy.deepcopy(model)
+    b = Boundaries.of(model)
+    h1 = b.register("quantize", [model[0], model[2]], on_grad=lambda t, i, g: g * 0.0)
+    h2 = b.register("observe", [model[2]], on_grad=lambda t, i, g: None)
+    x = torch.randn(8, 4)
+    with b.disabled():
+        F.mse_loss(model(x), torch.ones(8, 1)).backward()
+    F.mse_loss(ref(x), torch.ones(8, 1)).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    h1.remove()
+    assert hook_count(model) == 3  # layer 2 (observe) + the model's pre/post hooks
+    h2.remove()
+    assert hook_count(model) == 0
+    with pytest.raises(ValueError, match="stage must be one of rescale, quantize, observe"):
+        b.register("measure", [model[0]])

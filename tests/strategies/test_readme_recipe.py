@@ -1,0 +1,89 @@
+"""The README's "Add a strategy" recipe works exactly as written.
+
+Its Python block is registered in a fresh process, then the contract suite and the hypothesis
+properties (which run over the registry) are run on it; its YAML is validated against the rule's
+parameter dataclass and instantiated the way the Hydra app does. The same recipe with its
+``needs_stats`` line deleted must fail the contract suite.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def recipe() -> tuple[str, str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Add a strategy"):]
+    section = section[: section.index("\n## ", 3)]
+    python = re.search(r"```python\n(.*?)```", section, re.S)
+    yaml = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert python and yaml, "the README's 'Add a strategy' section needs a python and a yaml block"
+    return python.group(1), yaml.group(1)
+
+
+def run_suite(tmp_path: Path, code: str, yaml: str) -> subprocess.CompletedProcess:
+    (tmp_path / "rule.py").write_text(code)
+    (tmp_path / "rule.yaml").write_text(yaml)
+    driver = textwrap.dedent(f"""
+        import runpy, sys
+        import pytest
+        from omegaconf import OmegaConf
+        import hydra.utils
+        import strategies
+
+        module = runpy.run_path({str(tmp_path / "rule.py")!r})
+        cfg = OmegaConf.load({str(tmp_path / "rule.yaml")!r})
+        name = cfg.name
+        params = {{k: v for k, v in cfg.items() if k not in ("_target_", "name")}}
+        OmegaConf.merge(OmegaConf.structured(strategies.get(name).Params), params)  # the YAML fits the schema
+        s = hydra.utils.instantiate(cfg)
+        assert s.name == name and strategies.available().count(name) == 1
+        sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning", "-k", name,
+                              "tests/strategies/test_contract.py", "tests/strategies/test_properties.py"]))
+    """)
+    return subprocess.run([sys.executable, "-c", driver], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_recipe_is_short() -> None:
+    code, _ = recipe()
+    assert len([line for line in code.splitlines() if line.strip()]) <= 30
+
+
+def test_recipe_passes_the_contract_suite_and_properties(tmp_path: Path) -> None:
+    code, yaml = recipe()
+    out = run_suite(tmp_path, code, yaml)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"\b(\d+) passed", out.stdout) and " failed" not in out.stdout
+
+
+def test_recipe_without_needs_stats_fails_the_contract(tmp_path: Path) -> None:
+    code, yaml = recipe()
+    assert "needs_stats = True" in code
+    out = run_suite(tmp_path, code.replace("needs_stats = True", "pass"), yaml)
+    assert out.returncode != 0 and "failed" in out.stdout, out.stdout[-3000:]
+    assert "test_trains_with_statistics_tracking_on_and_off" in out.stdout
+
+
+@pytest.mark.parametrize("bad,message", [("decay=1.5", "decay must be in [0, 1), got 1.5"),
+                                         ("target_max=-1.0", "target_max must be finite and > 0, got -1.0")])
+def test_recipe_validates_its_parameters(tmp_path: Path, bad: str, message: str) -> None:
+    code, _ = recipe()
+    key, value = bad.split("=")
+    check = f"""
+import strategies
+try:
+    strategies.create("ema_max", {key}={value})
+except ValueError as e:
+    print(e)
+"""
+    (tmp_path / "rule.py").write_text(code + check)
+    out = subprocess.run([sys.executable, str(tmp_path / "rule.py")], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == message, out.stderr[-2000:]
