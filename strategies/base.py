@@ -15,30 +15,32 @@ No method here reads a tensor on the host except GradScaler's own ``step()`` ski
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
-from enum import Enum
 from typing import Any, ClassVar, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from strategies.params import ScalerParams
 from strategies.state import RuleState, State, base_state, from_state_dict, telemetry_of, to_state_dict
-from strategies.stats import GradStats, grads_by_device, unscale_and_check, unscale_and_stats
-
-
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+from strategies.stats import GradStats, gather
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}, "stats": None}
 
 
-class Strategy:
+class Strategy(torch.amp.GradScaler):
     """Base class of every scaling strategy; a drop-in replacement for ``torch.amp.GradScaler``.
+
+    It *subclasses* GradScaler (rather than only mimicking its methods) so that frameworks'
+    ``isinstance(scaler, torch.amp.GradScaler)`` checks pass and the private members they use
+    exist: ``_scale``, ``_growth_tracker``, ``_enabled``, ``_per_optimizer_states``,
+    ``_lazy_init_scale_growth_tracker`` (accelerate), ``_check_inf_per_device``,
+    ``_found_inf_per_device``. Every public method is overridden; GradScaler's ``__init__`` is not
+    called (the state lives in ``self.state``), and its ``_unscale_grads_`` stays torch's own.
 
     Constructor: ``Strategy(device=None, init_scale=2.**16, growth_factor=2.0, backoff_factor=0.5,
     growth_interval=2000, enabled=True, *, min_scale, max_scale, track_stats, distributed,
@@ -72,8 +74,11 @@ class Strategy:
     per_group: ClassVar[bool] = False
     pow2_scales: ClassVar[bool] = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # GradScaler.__init__ deliberately not called
         self.params = self.Params(*args, **kwargs)
+        if self.params.device == "cuda" and self.params.enabled and not torch.cuda.is_available():
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.")
+            self.params = self.params.replace(enabled=False)  # as GradScaler
         self._device = None if self.params.device is None else torch.device(self.params.device)
         self.state: RuleState | None = None
         self.output_group = 0
@@ -108,6 +113,21 @@ class Strategy:
     @property
     def group_names(self) -> list[str]:
         return ["all"]
+
+    # ------------------------------------------------------------------ GradScaler's private members
+    _scale = property(lambda self: None if self.state is None else self.state.scale)
+    _growth_tracker = property(lambda self: None if self.state is None else self.state.growth_tracker)
+    _enabled = property(lambda self: self.params.enabled)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self.state is None:
+            self._lazy_init(dev)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.params.enabled and len(self._per_optimizer_states) != 0:
+            raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                                 "of an iteration, or at the end after scaler.update().")
+        return self.__dict__.copy()
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
@@ -185,37 +205,14 @@ class Strategy:
             return None
         return "replicated" if mode == "auto" else mode
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale every gradient of ``optimizer`` (per device), record found_inf and statistics."""
-        opt_state = self._per_optimizer_states[id(optimizer)]
+    def _gather(self, optimizer: torch.optim.Optimizer, unscale: bool = True) -> None:
+        """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record
+        found_inf and the statistics (:func:`strategies.stats.gather`)."""
         state = self._check_initialized("unscale_")
-        params, grads = grads_by_device(optimizer)
-        # FP32 division can be imprecise for some compile options, so (as torch) the reciprocal
-        # is taken in FP64.
-        inv_all = state.scale.double().reciprocal().float()
-        found: dict[torch.device, torch.Tensor] = {}
-        total: GradStats | None = None
-        for device, gs in grads.items():
-            inv = inv_all.to(device, non_blocking=True)
-            if self._wants_stats():
-                index = self.group_index(params[device]) if self.per_group else None
-                st = unscale_and_stats(gs, inv, index, self.num_groups)
-                found[device] = st.found_inf.amax()
-                st = st.to(state.scale.device)
-                total = st if total is None else total.combine(st)
-            else:
-                f = torch.zeros((), dtype=torch.float32, device=device)
-                unscale_and_check(gs, inv, f)
-                found[device] = f
-        mode = self._distributed_mode()
-        if mode is not None:
-            # Every rank must join the collective, even one that holds no gradient this step.
-            if total is None:
-                total = GradStats.empty(self.num_groups, state.scale.device)
-            total = total.all_reduce(mode)
-            found = {state.scale.device: total.found_inf.amax()}
-        opt_state["found_inf_per_device"] = found
-        opt_state["stats"] = total
+        found, stats = gather(optimizer, state.scale, unscale=unscale, with_stats=self._wants_stats(),
+                              group_index=self.group_index if self.per_group else None,
+                              num_groups=self.num_groups, mode=self._distributed_mode())
+        self._per_optimizer_states[id(optimizer)].update(found_inf_per_device=found, stats=stats)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ("unscale") ``optimizer``'s gradients by the scale, in place, and record
@@ -232,7 +229,7 @@ class Strategy:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if opt_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._unscale_grads_(optimizer)
+        self._gather(optimizer)
         opt_state["stage"] = OptState.UNSCALED
         self.on_unscale(optimizer)
 
@@ -242,8 +239,12 @@ class Strategy:
         optimizer state stay bit-identical. Returns what ``optimizer.step`` returned (or None).
 
         The skip decision reads ``found_inf`` on the host (GradScaler's one sync), except for
-        optimizers with ``_step_supports_amp_scaling`` (fused Adam/SGD), which receive
-        ``found_inf`` as a tensor and skip on the device.
+        optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD), handled as
+        GradScaler does: one whose ``step`` takes ``grad_scaler`` receives the strategy; others
+        receive ``found_inf`` (they skip on the device) and, when :meth:`unscale_` was not called,
+        ``grad_scale`` — their fused kernel unscales, the strategy only reads the gradients for
+        its statistics (no second write; fp16 gradients accepted, as GradScaler). Per-group rules
+        and rules with an ``on_unscale`` probe unscale in their own pass first.
         """
         if not self.params.enabled:
             return optimizer.step(*args, **kwargs)
@@ -253,17 +254,27 @@ class Strategy:
         opt_state = self._per_optimizer_states[id(optimizer)]
         if opt_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if opt_state["stage"] is OptState.READY:
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn("GradScaler is going to stop passing itself as a keyword argument to the passed "
+                          "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                          "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                          FutureWarning, stacklevel=2)
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            opt_state["stage"] = OptState.STEPPED
+            return retval
+        ready = opt_state["stage"] is OptState.READY
+        if ready and fused and not self.per_group and type(self).on_unscale is Strategy.on_unscale:
+            self._gather(optimizer, unscale=False)
+        elif ready:
             self.unscale_(optimizer)
+            ready = False
         found = opt_state["found_inf_per_device"]
         if len(found) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and (
-            "grad_scaler" not in inspect.signature(optimizer.step).parameters
-        ):
-            # Gradients are already unscaled: hand the fused optimizer found_inf only (it skips
-            # on the device), exactly torch's path for an optimizer that was unscale_()d.
-            optimizer.grad_scale = None  # type: ignore[attr-defined]
+        if fused:
+            optimizer.grad_scale = (state.scale * getattr(optimizer, "grad_scale", 1) if ready  # type: ignore[attr-defined]
+                                    else getattr(optimizer, "grad_scale", None))
             optimizer.found_inf = sum(t.to(state.scale.device, non_blocking=True) for t in found.values())  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
@@ -288,7 +299,8 @@ class Strategy:
             return
         state = self._check_initialized("update")
         if new_scale is not None:
-            self._set_scale(state, new_scale)
+            state.set_scale_(new_scale)
+            state.scale.copy_(self._round(state.scale))
         else:
             found = [t.to(state.scale.device, non_blocking=True)
                      for st in self._per_optimizer_states.values() for t in st["found_inf_per_device"].values()]
@@ -311,19 +323,6 @@ class Strategy:
                 self._last_stats = stats
         self.updates += 1
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-
-    def _set_scale(self, state: RuleState, new_scale: float | torch.Tensor) -> None:
-        if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-            state.scale.fill_(float(new_scale))
-        else:
-            reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                      "torch.FloatTensor with requires_grad=False.")
-            if not isinstance(new_scale, torch.Tensor):
-                raise AssertionError(reason)
-            if new_scale.device.type != state.scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
-                raise AssertionError(reason)
-            state.scale.copy_(new_scale.reshape(()).expand_as(state.scale))
-        state.scale.copy_(self._round(state.scale))
 
     # ------------------------------------------------------------------ queries
     def get_scale(self) -> float:

@@ -52,6 +52,7 @@ Without :meth:`attach` it is a single-group strategy (max-EMA with power-of-two 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -147,7 +148,8 @@ def _is_pow2(x: float) -> bool:
 
 @dataclass
 class LayerwiseParams(MaxEmaRule, ScalerParams):
-    init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1", "every group's initial scale, a power of two")
+    init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1",
+                           "every group's initial scale; rounded down to a power of two (one warning)")
     growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
                                         "None = 1 for rule max_ema, 2000 for rule backoff_growth")
     groups: Optional[List[str]] = hp(None, v.patterns, "scalelab",
@@ -158,8 +160,11 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
         super().check()
         if self.growth_interval is None:
             self.growth_interval = 1 if self.rule == "max_ema" else 2000
-        if not _is_pow2(self.init_scale):
-            v.fail("init_scale", "a power of two for layerwise (exact boundary rescaling)", self.init_scale)
+        if not _is_pow2(self.init_scale):  # any positive finite scale, as GradScaler takes (3.0, 1e38)
+            rounded = 2.0 ** math.floor(math.log2(self.init_scale))
+            warnings.warn(f"layerwise: init_scale {self.init_scale!r} rounded down to the power of two {rounded!r} "
+                          "(group scales are powers of two so that boundary rescaling is exact)", stacklevel=5)
+            self.init_scale = rounded
         lo, hi = self.pow2_bounds
         if lo is not None and hi is not None and lo > hi:
             v.fail("max_scale", f"a bound leaving a power of two in [min_scale={self.min_scale:g}, max_scale]",

@@ -73,7 +73,7 @@ class NativeStrategy(Strategy):
     Megatron-style hysteresis and a [min_scale, max_scale] clamp (module docstring)."""
 
     Params = NativeParams
-    state_spec = (State("hysteresis_tracker", torch.int32, lambda p: p.hysteresis),)
+    state_spec = (State("hysteresis_tracker", torch.int32, "hysteresis"),)
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         p, s = self.params, self.state

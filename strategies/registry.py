@@ -55,6 +55,7 @@ def get(name: str) -> type["Strategy"]:
         ) from None
 
 
-def create(name: str, **kwargs: Any) -> "Strategy":
-    """Build the strategy registered as ``name`` with ``kwargs`` (validated by its constructor)."""
-    return get(name)(**kwargs)
+def create(name: str, *args: Any, **kwargs: Any) -> "Strategy":
+    """Build the strategy registered as ``name``; ``args``/``kwargs`` as GradScaler's (device
+    first, then init_scale, ...) plus the rule's own keywords, validated by its ``Params``."""
+    return get(name)(*args, **kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -27,7 +27,7 @@ class State:
     Args:
         name: attribute name (``strategy.state.<name>``), telemetry key and ``state_dict`` key.
         dtype: ``torch.float32``, ``torch.int32`` or ``torch.int64`` (what the kernels take).
-        init: initial value, or ``init(params) -> value``.
+        init: initial value, or the name of the ``Params`` field that holds it.
         per_group: shape ``[G]`` (one entry per layer group) instead of ``[]``.
         saved: kept in ``state_dict`` (telemetry-only values are not).
         low: the smallest valid value when loading (``None``: any); floats must also be finite.
@@ -35,19 +35,19 @@ class State:
 
     name: str
     dtype: torch.dtype
-    init: float | int | Callable[[Any], float | int] = 0
+    init: float | int | str = 0
     per_group: bool = False
     saved: bool = True
     low: float | None = None
 
     def initial(self, params: Any) -> float | int:
-        return self.init(params) if callable(self.init) else self.init
+        return getattr(params, self.init) if isinstance(self.init, str) else self.init
 
 
 def base_state(per_group: bool) -> tuple[State, ...]:
     """The state every strategy has: GradScaler's scale and growth tracker, plus skip counters."""
     return (
-        State("scale", torch.float32, lambda p: p.init_scale, per_group=per_group, low=0.0),
+        State("scale", torch.float32, "init_scale", per_group=per_group, low=0.0),
         State("growth_tracker", torch.int32, 0, per_group=per_group, low=0),
         State("skipped_steps", torch.int64, 0, low=0),
         State("found_inf", torch.float32, 0.0, saved=False),
@@ -71,6 +71,19 @@ class RuleState:
     def saved(self) -> dict[str, Any]:
         """Saved entries as Python numbers (per-group ones as lists). Synchronises."""
         return {n: getattr(self, n).tolist() for n, s in self.specs.items() if s.saved}
+
+    def set_scale_(self, new_scale: float | torch.Tensor) -> None:
+        """Every group's scale set to ``new_scale``: a float, or a 1-element tensor on the scale's
+        device type (``GradScaler.update(new_scale)``'s contract and message)."""
+        if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            self.scale.fill_(float(new_scale))
+            return
+        reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                  "torch.FloatTensor with requires_grad=False.")
+        if not isinstance(new_scale, torch.Tensor) or new_scale.device.type != self.scale.device.type \
+                or new_scale.numel() != 1 or new_scale.requires_grad:
+            raise AssertionError(reason)
+        self.scale.copy_(new_scale.reshape(()).expand_as(self.scale))
 
     def load_(self, values: dict[str, Any]) -> None:
         """Copy already :func:`validated` values into the tensors."""

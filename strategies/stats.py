@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -108,19 +108,19 @@ class GradStats:
 
 
 def grads_by_device(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer, allow_fp16: bool = False
 ) -> tuple[dict[torch.device, list[torch.Tensor]], dict[torch.device, list[torch.Tensor]]]:
     """The parameters with a gradient and their gradients (values of sparse ones), by device.
 
-    Raises ``ValueError`` for an fp16 gradient, as GradScaler does (fp16 master gradients are
-    unsafe to unscale)."""
+    Raises ``ValueError`` for an fp16 gradient unless ``allow_fp16``, as GradScaler does (fp16
+    master gradients are unsafe to unscale; a fused optimizer that unscales them itself is fine)."""
     params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.dtype == torch.float16:
+            if p.grad.dtype == torch.float16 and not allow_fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             g = p.grad._values() if p.grad.is_sparse else p.grad
             params[g.device].append(p)
@@ -224,3 +224,50 @@ def unscale_and_check(
     """The found-inf-only path (no statistics): torch's own op, for strategies that need none."""
     with torch.no_grad():
         torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+
+
+def gather(
+    optimizer: torch.optim.Optimizer,
+    scale: torch.Tensor,
+    *,
+    unscale: bool = True,
+    with_stats: bool = True,
+    group_index: Callable[[list[torch.Tensor]], list[int] | None] | None = None,
+    num_groups: int = 1,
+    mode: str | None = None,
+) -> tuple[dict[torch.device, torch.Tensor], GradStats | None]:
+    """One pass over ``optimizer``'s gradients, per device: unscale them in place by ``1/scale``
+    (shape ``[]`` or ``[num_groups]``; ``group_index(params)`` gives each one's group) and return
+    ``(found_inf per device, statistics or None)``.
+
+    ``unscale=False`` only reads them (a fused optimizer unscales them itself; fp16 gradients are
+    then accepted) and turns the statistics into those of the unscaled values (abs-max x 1/S, sum
+    of squares x 1/S^2: exact for power-of-two scales). ``with_stats=False`` runs torch's
+    found-inf-only op. ``mode`` (``"replicated"``/``"sharded"``) reduces the statistics across
+    ranks (:meth:`GradStats.all_reduce`; every rank joins, also one without gradients). No sync.
+    """
+    params, grads = grads_by_device(optimizer, allow_fp16=not unscale)
+    # FP32 division can be imprecise for some compile options, so (as torch) the reciprocal is
+    # taken in FP64.
+    inv_all = scale.double().reciprocal().float()
+    found: dict[torch.device, torch.Tensor] = {}
+    total: GradStats | None = None
+    for device, gs in grads.items():
+        inv = inv_all.to(device, non_blocking=True) if unscale else torch.ones((), device=device)
+        if with_stats:
+            index = group_index(params[device]) if group_index is not None else None
+            st = unscale_and_stats(gs, inv, index, num_groups)
+            found[device] = st.found_inf.amax()
+            st = st.to(scale.device)
+            total = st if total is None else total.combine(st)
+        else:
+            f = torch.zeros((), dtype=torch.float32, device=device)
+            unscale_and_check(gs, inv, f)
+            found[device] = f
+    if total is not None and not unscale:
+        total.absmax.mul_(inv_all)
+        total.sumsq.mul_(inv_all * inv_all)
+    if mode is not None:
+        total = (total if total is not None else GradStats.empty(num_groups, scale.device)).all_reduce(mode)
+        found = {scale.device: total.found_inf.amax()}
+    return found, total

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -305,7 +306,6 @@ def test_group_patterns_and_coverage_errors() -> None:
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(init_scale=1000.0), "init_scale must be a power of two for layerwise (exact boundary rescaling), got 1000.0"),
         (dict(rule="ema"), "rule must be one of 'max_ema', 'backoff_growth', got 'ema'"),
         (dict(groups="0"), "groups must be a list of fnmatch patterns (strings) or None, got '0'"),
         (dict(min_scale=5.0, max_scale=7.0), "max_scale must be a bound leaving a power of two in [min_scale=5, max_scale], got 7.0"),
@@ -316,6 +316,14 @@ def test_invalid_arguments(kwargs, message) -> None:
     with pytest.raises(ValueError) as e:
         strategies.create("layerwise", **kwargs)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("init,rounded", [(1000.0, 512.0), (3.0, 2.0), (1e38, 2.0**126), (0.3, 0.25)])
+def test_any_positive_finite_init_scale_is_rounded_down_to_a_power_of_two_with_a_warning(init, rounded) -> None:
+    """As GradScaler, which torch's own tests build with 3.0 and 1e38."""
+    with pytest.warns(UserWarning, match=re.escape(f"init_scale {init!r} rounded down to the power of two {rounded!r}")):
+        s = strategies.create("layerwise", init_scale=init)
+    assert s.get_scale() == rounded
 
 
 # ------------------------------------------------------------------ the pure per-group rule
