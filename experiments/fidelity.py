@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from strategies.boundaries import Boundaries, layers
+from strategies.reference import fp32_loss
 
 __all__ = ["capture_rng", "layer_of", "probe"]
 
@@ -51,12 +52,11 @@ def _reference(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], para
                rng: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), Boundaries.of(model).disabled(), \
-            torch.autocast(device.type, enabled=False), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), Boundaries.of(model).disabled(), torch.enable_grad():
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1], device)
-        loss = loss_fn()
+        loss = fp32_loss(loss_fn, device.type, "fidelity probe")
         grads = torch.autograd.grad(loss.float().reshape(()), params, allow_unused=True)
     with torch.no_grad():
         for k, b in model.named_buffers():

@@ -71,6 +71,7 @@ from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.params import ScalerParams, hp
+from strategies.reference import fp32_loss
 from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats, mean_over_ranks_
@@ -268,8 +269,8 @@ class NormRatioStrategy(Strategy):
         self._probe_set = params
         self._probe_ids = {id(p) for p in params}
         dev = self.state.scale.device
-        with torch.enable_grad(), torch.autocast(dev.type, enabled=False):
-            loss = self._closure()
+        with torch.enable_grad():
+            loss = fp32_loss(self._closure, dev.type, "norm_ratio")
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("norm_ratio: the reference closure must return a scalar loss tensor")
             grads = torch.autograd.grad(loss.float().reshape(()), params, allow_unused=True)

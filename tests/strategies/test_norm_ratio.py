@@ -233,3 +233,64 @@ def test_invalid_arguments(kwargs, message) -> None:
     with pytest.raises(ValueError) as e:
         strategies.create("norm_ratio", **kwargs)
     assert str(e.value) == message
+
+
+def accelerate_like(model: torch.nn.Module) -> torch.nn.Module:
+    """What accelerate's ``prepare()`` does to ``model.forward`` with mixed precision: an autocast
+    inside the forward, outputs converted back to fp32."""
+    forward = model.forward
+    model.forward = lambda *a, **k: torch.autocast("cpu", dtype=torch.float16)(forward)(*a, **k).float()
+    return model
+
+
+def test_a_reference_forward_that_autocast_reenables_is_refused() -> None:
+    """An outer autocast the probe cannot switch off makes the "fp32" reference fp16: one error
+    naming the cause and the fix, instead of a silently wrong ratio."""
+    from strategies.reference import LowPrecisionReference
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    wrapped = accelerate_like(plain)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    s = strategies.create("norm_ratio", init_scale=2.0**10, probe_interval=1)
+    s.set_reference(lambda: F.mse_loss(wrapped(x), y))
+    s.scale(F.mse_loss(wrapped(x), y)).backward()
+    with pytest.raises(LowPrecisionReference, match=r"norm_ratio: the fp32 reference forward computed .* in "
+                                                    r"torch.float16: an autocast inside the model's forward"):
+        s.unscale_(opt)
+    unwrapped = torch.nn.Sequential(*plain)  # the same modules, without the wrapper
+    s2 = strategies.create("norm_ratio", init_scale=2.0**10, probe_interval=1)
+    s2.set_reference(lambda: F.mse_loss(unwrapped(x), y))
+    opt.zero_grad()
+    s2.scale(F.mse_loss(wrapped(x), y)).backward()
+    s2.step(opt)
+    s2.update()
+    assert s2.telemetry()["probe_count"].item() == 1
+
+
+def test_under_real_accelerate_the_unwrapped_model_gives_a_true_fp32_reference() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from strategies.reference import LowPrecisionReference
+
+    # On the CPU accelerate wraps forward in autocast for bf16 (its fp16 is GPU-only).
+    accelerate.state.AcceleratorState._reset_state(True)
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    s = strategies.create("norm_ratio", init_scale=2.0**10, probe_interval=1)
+    s.set_reference(lambda: F.mse_loss(model(x), y))
+    s.scale(F.mse_loss(model(x), y)).backward()
+    with pytest.raises(LowPrecisionReference):
+        s.unscale_(opt.optimizer)
+    bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    opt.zero_grad()
+    s2 = strategies.create("norm_ratio", init_scale=2.0**10, probe_interval=1)
+    s2.set_reference(lambda: F.mse_loss(bare(x), y))
+    s2.scale(F.mse_loss(model(x), y)).backward()
+    s2.unscale_(opt.optimizer)
+    assert s2.telemetry()["probe_count"].item() == 1
+    accelerate.state.AcceleratorState._reset_state(True)
