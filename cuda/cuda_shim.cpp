@@ -75,8 +75,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {found_inf, absmax, sumsq, zeros, tiny, numel};
 }
 
-void check_state(const at::Tensor& t, at::ScalarType dt, const char* name, int64_t numel, bool may_broadcast) {
+// Every state / statistics tensor of an update op: a CUDA tensor on `device` (the scale's: a
+// kernel launched there must never dereference another GPU's memory), of dtype `dt`,
+// contiguous, with `numel` elements (or 1 where the op broadcasts it).
+void check_state(const at::Tensor& t, const at::Device& device, at::ScalarType dt, const char* name, int64_t numel,
+                 bool may_broadcast) {
   TORCH_CHECK(t.is_cuda(), "scalelab: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == device, "scalelab: ", name, " is on ", t.device(), " but the scale is on ", device);
   TORCH_CHECK(t.scalar_type() == dt, "scalelab: ", name, " must be ", dt, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), "scalelab: ", name, " must be contiguous");
   TORCH_CHECK(t.numel() == numel || (may_broadcast && t.numel() == 1), "scalelab: ", name, " must have ", numel,
@@ -88,10 +93,11 @@ cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDASt
 void native_update_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
                         const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                         int64_t growth_interval, int64_t hysteresis) {
-  check_state(scale, at::kFloat, "scale", 1, false);
-  check_state(growth_tracker, at::kInt, "growth_tracker", 1, false);
-  check_state(hysteresis_tracker, at::kInt, "hysteresis_tracker", 1, false);
-  check_state(found_inf, at::kFloat, "found_inf", 1, false);
+  const at::Device dev = scale.device();
+  check_state(scale, dev, at::kFloat, "scale", 1, false);
+  check_state(growth_tracker, dev, at::kInt, "growth_tracker", 1, false);
+  check_state(hysteresis_tracker, dev, at::kInt, "hysteresis_tracker", 1, false);
+  check_state(found_inf, dev, at::kFloat, "found_inf", 1, false);
   const c10::cuda::CUDAGuard guard(scale.device());
   const rules::NativeParams p{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval),
                               static_cast<int32_t>(hysteresis)};
@@ -104,18 +110,19 @@ void native_update_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::Tenso
 void max_ema_update_cuda(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
                          at::Tensor& candidate, const at::Tensor& found_inf, const at::Tensor& grad_absmax,
                          double target_max, double ema_decay, double growth_factor, double backoff_factor,
-                         int64_t growth_interval, bool round_pow2, bool grow_on_zero) {
+                         int64_t growth_interval, bool round_pow2, bool grow_on_zero, bool cap_ema_on_overflow) {
+  const at::Device dev = scale.device();
   const int64_t G = scale.numel();
-  check_state(scale, at::kFloat, "scale", G, false);
-  check_state(ema, at::kFloat, "ema", G, false);
-  check_state(ema_steps, at::kInt, "ema_steps", G, false);
-  check_state(growth_tracker, at::kInt, "growth_tracker", G, false);
-  check_state(candidate, at::kFloat, "candidate", G, false);
-  check_state(found_inf, at::kFloat, "found_inf", G, true);
-  check_state(grad_absmax, at::kFloat, "grad_absmax", G, true);
+  check_state(scale, dev, at::kFloat, "scale", G, false);
+  check_state(ema, dev, at::kFloat, "ema", G, false);
+  check_state(ema_steps, dev, at::kInt, "ema_steps", G, false);
+  check_state(growth_tracker, dev, at::kInt, "growth_tracker", G, false);
+  check_state(candidate, dev, at::kFloat, "candidate", G, false);
+  check_state(found_inf, dev, at::kFloat, "found_inf", G, true);
+  check_state(grad_absmax, dev, at::kFloat, "grad_absmax", G, true);
   const c10::cuda::CUDAGuard guard(scale.device());
   const rules::MaxEmaParams p = rules::max_ema_params(target_max, ema_decay, growth_factor, backoff_factor,
-                                                      growth_interval, round_pow2, grow_on_zero);
+                                                      growth_interval, round_pow2, grow_on_zero, cap_ema_on_overflow);
   check_launch(cuda::max_ema_update(scale.data_ptr<float>(), ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
                                     growth_tracker.data_ptr<int32_t>(), candidate.data_ptr<float>(),
                                     found_inf.const_data_ptr<float>(), found_inf.numel() == 1 ? 0 : 1,
@@ -129,14 +136,15 @@ void norm_ratio_update_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::T
                             const at::Tensor& ref_sumsq, const at::Tensor& mp_sumsq, bool probed,
                             double growth_factor, double backoff_factor, int64_t growth_interval,
                             double threshold_high, double threshold_low, double ema_decay) {
-  check_state(scale, at::kFloat, "scale", 1, false);
-  check_state(growth_tracker, at::kInt, "growth_tracker", 1, false);
-  check_state(log_ratio_ema, at::kFloat, "log_ratio_ema", 1, false);
-  check_state(ema_steps, at::kInt, "ema_steps", 1, false);
-  check_state(last_ratio, at::kFloat, "last_ratio", 1, false);
-  check_state(found_inf, at::kFloat, "found_inf", 1, false);
-  check_state(ref_sumsq, at::kFloat, "ref_sumsq", 1, false);
-  check_state(mp_sumsq, at::kFloat, "mp_sumsq", 1, false);
+  const at::Device dev = scale.device();
+  check_state(scale, dev, at::kFloat, "scale", 1, false);
+  check_state(growth_tracker, dev, at::kInt, "growth_tracker", 1, false);
+  check_state(log_ratio_ema, dev, at::kFloat, "log_ratio_ema", 1, false);
+  check_state(ema_steps, dev, at::kInt, "ema_steps", 1, false);
+  check_state(last_ratio, dev, at::kFloat, "last_ratio", 1, false);
+  check_state(found_inf, dev, at::kFloat, "found_inf", 1, false);
+  check_state(ref_sumsq, dev, at::kFloat, "ref_sumsq", 1, false);
+  check_state(mp_sumsq, dev, at::kFloat, "mp_sumsq", 1, false);
   const c10::cuda::CUDAGuard guard(scale.device());
   const rules::NormRatioParams p = rules::norm_ratio_params(growth_factor, backoff_factor, growth_interval,
                                                             threshold_high, threshold_low, ema_decay);
@@ -160,25 +168,28 @@ void layerwise_update_cuda(at::Tensor& scales, at::Tensor& growth_trackers, at::
                            const at::Tensor& group_absmax, const at::Tensor& group_numel, const at::Tensor& emitted,
                            const at::Tensor& contaminated, c10::string_view rule, double target_max,
                            double ema_decay, double growth_factor, double backoff_factor, int64_t growth_interval,
-                           bool grow_on_zero, std::optional<double> min_scale, std::optional<double> max_scale) {
+                           bool grow_on_zero, std::optional<double> min_scale, std::optional<double> max_scale,
+                           bool cap_ema_on_overflow) {
+  const at::Device dev = scales.device();
   const int64_t G = scales.numel();
-  check_state(scales, at::kFloat, "scales", G, false);
-  check_state(growth_trackers, at::kInt, "growth_trackers", G, false);
-  check_state(ema, at::kFloat, "ema", G, false);
-  check_state(ema_steps, at::kInt, "ema_steps", G, false);
-  check_state(hysteresis, at::kInt, "hysteresis", G, false);
-  check_state(candidate, at::kFloat, "candidate", G, false);
-  check_state(origin, at::kFloat, "origin", G, false);
-  check_state(found_inf, at::kFloat, "found_inf", 1, false);
-  check_state(group_found_inf, at::kFloat, "group_found_inf", G, false);
-  check_state(group_absmax, at::kFloat, "group_absmax", G, false);
-  check_state(group_numel, at::kLong, "group_numel", G, false);
-  check_state(emitted, at::kFloat, "emitted", G, false);
-  check_state(contaminated, at::kFloat, "contaminated", G, false);
+  check_state(scales, dev, at::kFloat, "scales", G, false);
+  check_state(growth_trackers, dev, at::kInt, "growth_trackers", G, false);
+  check_state(ema, dev, at::kFloat, "ema", G, false);
+  check_state(ema_steps, dev, at::kInt, "ema_steps", G, false);
+  check_state(hysteresis, dev, at::kInt, "hysteresis", G, false);
+  check_state(candidate, dev, at::kFloat, "candidate", G, false);
+  check_state(origin, dev, at::kFloat, "origin", G, false);
+  check_state(found_inf, dev, at::kFloat, "found_inf", 1, false);
+  check_state(group_found_inf, dev, at::kFloat, "group_found_inf", G, false);
+  check_state(group_absmax, dev, at::kFloat, "group_absmax", G, false);
+  check_state(group_numel, dev, at::kLong, "group_numel", G, false);
+  check_state(emitted, dev, at::kFloat, "emitted", G, false);
+  check_state(contaminated, dev, at::kFloat, "contaminated", G, false);
   const c10::cuda::CUDAGuard guard(scales.device());
   const rules::LayerwiseParams p = rules::layerwise_params(
       layerwise_rule_code(rule), target_max, ema_decay, growth_factor, backoff_factor, growth_interval, grow_on_zero,
-      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0));
+      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0),
+      cap_ema_on_overflow);
   check_launch(cuda::layerwise_update(scales.data_ptr<float>(), growth_trackers.data_ptr<int32_t>(),
                                       ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
                                       hysteresis.data_ptr<int32_t>(), candidate.data_ptr<float>(),

@@ -1,8 +1,16 @@
 // Operator schemas of the scalelab extension: torch.ops.scalelab.*.
 //
 // The CPU twin (cuda/cpu/*.cpp) registers the CPU implementations; cuda/cuda_shim.cpp registers
-// the CUDA ones when the extension is built against a CUDA-enabled torch. The plain-torch
-// references (strategies/stats.py, the strategies' update functions) are the oracles in tests.
+// the CUDA ones when the extension is built against a CUDA-enabled torch; strategies/kernels.py
+// registers the fake (meta) implementations. The plain-torch references (strategies/stats.py,
+// the strategies' update functions) are the oracles in tests.
+//
+// Every update op takes exactly the positional arguments of its Python twin, in the same order
+// and with the same meaning (strategies.kernels.dispatch calls one or the other with one list):
+//   native_update_      strategies.native.native_update_
+//   max_ema_update_     strategies.max_ema.max_ema_update_
+//   norm_ratio_update_  strategies.norm_ratio.norm_ratio_update_
+//   layerwise_update_   strategies.layerwise.layerwise_update_
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
@@ -20,7 +28,8 @@ TORCH_LIBRARY(scalelab, m) {
   m.def(
       "max_ema_update_(Tensor(a!) scale, Tensor(b!) ema, Tensor(c!) ema_steps, Tensor(d!) growth_tracker, "
       "Tensor(e!) candidate, Tensor found_inf, Tensor grad_absmax, float target_max, float ema_decay, "
-      "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero) -> ()");
+      "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero, "
+      "bool cap_ema_on_overflow=False) -> ()");
   // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (scalelab_rules.h).
   m.def(
       "norm_ratio_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) log_ratio_ema, "
@@ -33,5 +42,5 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor(e!) hysteresis, Tensor(f!) candidate, Tensor(g!) origin, Tensor found_inf, Tensor group_found_inf, "
       "Tensor group_absmax, Tensor group_numel, Tensor emitted, Tensor contaminated, str rule, float target_max, "
       "float ema_decay, float growth_factor, float backoff_factor, int growth_interval, bool grow_on_zero, "
-      "float? min_scale, float? max_scale) -> ()");
+      "float? min_scale, float? max_scale, bool cap_ema_on_overflow=False) -> ()");
 }

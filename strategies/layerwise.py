@@ -34,7 +34,7 @@ Update (per group, in place, no host sync):
 
 * ``rule="max_ema"`` (default): :func:`strategies.max_ema.max_ema_update_` elementwise over the
   groups with each group's abs-max, rounded down to powers of two; ``rule="backoff_growth"``:
-  torch's backoff/growth per group (:func:`strategies.native.backoff_growth_hysteresis_`).
+  torch's backoff/growth per group (:func:`strategies.native.native_update_`).
 * Any non-finite gradient skips the whole step. Only the groups where the overflow *originated*
   back off; the other groups keep their scale and EMA (their growth tracker restarts, as the
   step was skipped). Attribution: each boundary hook checks its incoming gradient; a
@@ -61,7 +61,7 @@ from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.max_ema import FP16_MAX, max_ema_update_, round_down_pow2, validate_max_ema_rule
-from strategies.native import backoff_growth_hysteresis_
+from strategies.native import native_update_
 from strategies.registry import register_strategy
 from strategies.stats import GradStats
 
@@ -123,8 +123,8 @@ def layerwise_update_(
                         target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero,
                         cap_ema_on_overflow)
     elif rule == "backoff_growth":
-        backoff_growth_hysteresis_(scales, growth_trackers, hysteresis, blamed.float(),
-                                   growth_factor, backoff_factor, growth_interval, 1)
+        native_update_(scales, growth_trackers, hysteresis, blamed.float(),
+                       growth_factor, backoff_factor, growth_interval, 1)
         scales.copy_(round_down_pow2(scales))
     else:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -442,9 +442,7 @@ class LayerwiseStrategy(Strategy):
             self._rule, self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
             self._growth_interval, self._zero_grads == "grow", self._lo_pow2, self._hi_pow2,
         )
-        # The fused op (cuda/) when built, else torch ops; the fused op has no EMA cap option.
-        if self._cap_ema or not kernels.layerwise_update_(*args):
-            layerwise_update_(*args, cap_ema_on_overflow=self._cap_ema)
+        kernels.dispatch("layerwise_update_", layerwise_update_, *args, self._cap_ema)
         self._group_stats = stats
         self._contaminated.zero_()
         self._emitted.zero_()

@@ -114,7 +114,11 @@ def max_ema_update_(
 
     up = (scale * growth_factor).to(torch.float32)
     down = (scale * backoff_factor).to(torch.float32)
-    by_ema = torch.where(e > up, up, torch.where(e < scale / growth_factor, down, e))
+    # "Below S / growth_factor" as S times the reciprocal (1 / growth_factor in double, which torch
+    # rounds to float32), never a true division: torch on CUDA divides by a host scalar as a
+    # multiplication by its reciprocal, the rule header multiplies too, so every device and the
+    # kernels compute the same bits (growth_factor 2: S * 0.5 == S / 2 exactly).
+    by_ema = torch.where(e > up, up, torch.where(e < scale * (1.0 / growth_factor), down, e))
     no_info = up if grow_on_zero else scale
     new = torch.where(found, down, torch.where(fed, by_ema, no_info))
     new = torch.where(~found & ~may_grow, torch.minimum(new, scale), new)
@@ -205,9 +209,7 @@ class MaxEmaStrategy(Strategy):
             self._target_max, self._ema_decay, self._growth_factor, self._backoff_factor,
             self._growth_interval, self._round_pow2, self._zero_grads == "grow",
         )
-        # The fused op (cuda/) when built, else torch ops; the fused op has no EMA cap option.
-        if self._cap_ema or not kernels.max_ema_update_(*args):
-            max_ema_update_(*args, cap_ema_on_overflow=self._cap_ema)
+        kernels.dispatch("max_ema_update_", max_ema_update_, *args, self._cap_ema)
 
     def _extra_state_dict(self) -> dict[str, Any]:
         return {"ema": float(self._ema.item()), "ema_steps": int(self._ema_steps.item())}

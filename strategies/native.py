@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.registry import register_strategy
 from strategies.stats import GradStats
 
 
-def backoff_growth_hysteresis_(
+def native_update_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     hysteresis_tracker: torch.Tensor,
@@ -42,7 +43,15 @@ def backoff_growth_hysteresis_(
     growth_interval: int,
     hysteresis: int,
 ) -> None:
-    """Megatron-style backoff/growth with hysteresis, in place on the device (no host sync)."""
+    """Megatron-style backoff/growth with hysteresis, in place on the device (no host sync): the
+    Python twin of ``torch.ops.scalelab.native_update_`` (same arguments). With ``hysteresis``
+    1, ``scale`` and ``growth_tracker`` follow ``torch._amp_update_scale_`` exactly.
+
+    Args:
+        scale: float32 S; growth_tracker: int32 t; hysteresis_tracker: int32 h; updated.
+        found_inf: float32, > 0 when the step's gradients were non-finite.
+        other arguments: the rule's hyper-parameters (see the module docstring).
+    """
     found = found_inf > 0
     h_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (h_after <= 0)
@@ -101,7 +110,9 @@ class NativeStrategy(Strategy):
                 self._growth_interval,
             )
         else:
-            backoff_growth_hysteresis_(
+            kernels.dispatch(
+                "native_update_",
+                native_update_,
                 self._scale,
                 self._growth_tracker,
                 self._hysteresis_tracker,

@@ -351,8 +351,7 @@ class NormRatioStrategy(Strategy):
             self._growth_factor, self._backoff_factor, self._growth_interval,
             self._threshold_high, self._threshold_low, self._ema_decay,
         )
-        if not kernels.norm_ratio_update_(*args):  # the fused op (cuda/) when built, else torch ops
-            norm_ratio_update_(*args)
+        kernels.dispatch("norm_ratio_update_", norm_ratio_update_, *args)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As :meth:`Strategy.update`; also advances the (host-side) probe schedule."""

@@ -44,7 +44,7 @@ int64_t check_group_tensor(const at::Tensor& t, at::ScalarType dt, const char* n
 void max_ema_update_cpu(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
                         at::Tensor& candidate, const at::Tensor& found_inf, const at::Tensor& grad_absmax,
                         double target_max, double ema_decay, double growth_factor, double backoff_factor,
-                        int64_t growth_interval, bool round_pow2, bool grow_on_zero) {
+                        int64_t growth_interval, bool round_pow2, bool grow_on_zero, bool cap_ema_on_overflow) {
   const int64_t G = scale.numel();
   check_group_tensor(scale, at::kFloat, "scale", G, false);
   check_group_tensor(ema, at::kFloat, "ema", G, false);
@@ -54,7 +54,7 @@ void max_ema_update_cpu(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_step
   const int64_t sf = check_group_tensor(found_inf, at::kFloat, "found_inf", G, true);
   const int64_t sa = check_group_tensor(grad_absmax, at::kFloat, "grad_absmax", G, true);
   const rules::MaxEmaParams p = rules::max_ema_params(target_max, ema_decay, growth_factor, backoff_factor,
-                                                      growth_interval, round_pow2, grow_on_zero);
+                                                      growth_interval, round_pow2, grow_on_zero, cap_ema_on_overflow);
   float* s = scale.data_ptr<float>();
   float* e = ema.data_ptr<float>();
   int32_t* n = ema_steps.data_ptr<int32_t>();
@@ -103,7 +103,8 @@ void layerwise_update_cpu(at::Tensor& scales, at::Tensor& growth_trackers, at::T
                           const at::Tensor& group_absmax, const at::Tensor& group_numel, const at::Tensor& emitted,
                           const at::Tensor& contaminated, c10::string_view rule, double target_max, double ema_decay,
                           double growth_factor, double backoff_factor, int64_t growth_interval, bool grow_on_zero,
-                          std::optional<double> min_scale, std::optional<double> max_scale) {
+                          std::optional<double> min_scale, std::optional<double> max_scale,
+                          bool cap_ema_on_overflow) {
   const int64_t G = scales.numel();
   check_group_tensor(scales, at::kFloat, "scales", G, false);
   check_group_tensor(growth_trackers, at::kInt, "growth_trackers", G, false);
@@ -120,7 +121,8 @@ void layerwise_update_cpu(at::Tensor& scales, at::Tensor& growth_trackers, at::T
   check_group_tensor(contaminated, at::kFloat, "contaminated", G, false);
   const rules::LayerwiseParams p = rules::layerwise_params(
       layerwise_rule_code(rule), target_max, ema_decay, growth_factor, backoff_factor, growth_interval, grow_on_zero,
-      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0));
+      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0),
+      cap_ema_on_overflow);
   rules::layerwise_update(scales.data_ptr<float>(), growth_trackers.data_ptr<int32_t>(), ema.data_ptr<float>(),
                           ema_steps.data_ptr<int32_t>(), hysteresis.data_ptr<int32_t>(), candidate.data_ptr<float>(),
                           origin.data_ptr<float>(), *found_inf.const_data_ptr<float>(),
