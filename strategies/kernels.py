@@ -37,18 +37,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = [
-    "UPDATE_OPS",
     "available",
     "build_directory",
     "dispatch",
     "load",
+    "op_names",
     "source_dir",
     "unavailable_reason",
     "unscale_and_stats",
 ]
-
-UPDATE_OPS = ("native_update_", "max_ema_update_", "norm_ratio_update_", "layerwise_update_")
-"""The rules' update ops, ``torch.ops.scalelab.<op>``; each takes its Python twin's arguments."""
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -166,10 +163,17 @@ def load() -> bool:
         return _loaded
 
 
+def op_names() -> list[str]:
+    """Names of the ops the loaded library defines (``torch.ops.scalelab.<name>``), sorted."""
+    return sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith("scalelab::")})
+
+
 def _register_fakes() -> None:
     """Fake (meta) implementations of every op, for FakeTensor tracing and ``torch.compile``:
-    shapes and dtypes of the outputs, nothing computed. The update ops return nothing (they
-    rewrite their state tensors in place, as their schemas declare)."""
+    shapes and dtypes of the outputs, nothing computed. Every op that returns nothing (the rules'
+    update ops rewrite their state tensors in place, as their schemas declare) gets the same
+    no-op fake, so a new rule's op needs nothing here."""
 
     def unscale_and_stats_fake(
         grads: list[torch.Tensor], inv_scale: torch.Tensor, group_index: list[int], num_groups: int
@@ -181,9 +185,13 @@ def _register_fakes() -> None:
     def update_fake(*args: Any) -> None:
         return None
 
-    torch.library.register_fake("scalelab::unscale_and_stats", unscale_and_stats_fake)
-    for op in UPDATE_OPS:
-        torch.library.register_fake(f"scalelab::{op}", update_fake)
+    for name in op_names():
+        if name == "unscale_and_stats":
+            torch.library.register_fake("scalelab::unscale_and_stats", unscale_and_stats_fake)
+        elif not getattr(torch.ops.scalelab, name).default._schema.returns:
+            torch.library.register_fake(f"scalelab::{name}", update_fake)
+        else:
+            raise RuntimeError(f"scalelab::{name} returns values: give it a fake implementation in kernels.py")
 
 
 def available() -> bool:

@@ -1,5 +1,6 @@
 """Argument lists for every op of ``torch.ops.scalelab`` (fresh tensors on each call), shared by
-the opcheck and dispatch tests. Each update op's list is also its Python twin's argument list."""
+the opcheck and dispatch tests, and each update op's Python twin. Each update op's argument list
+is also its twin's. A new rule's op adds its twin to TWINS and its cases to SAMPLES."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from typing import Any, Callable
 
 import torch
 
+from strategies.layerwise import layerwise_update_
+from strategies.max_ema import max_ema_update_
+from strategies.native import native_update_
+from strategies.norm_ratio import norm_ratio_update_
 from tests.cuda.gradients import make_grads
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
@@ -61,3 +66,11 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                           lambda: _stats(torch.bfloat16, True)],
 }
 """op name -> argument-list factories (every op of the library, several cases each)."""
+
+TWINS: dict[str, Callable[..., None]] = {
+    "native_update_": native_update_,
+    "max_ema_update_": max_ema_update_,
+    "norm_ratio_update_": norm_ratio_update_,
+    "layerwise_update_": layerwise_update_,
+}
+"""update op -> its Python twin (same positional arguments; the oracle of the op)."""

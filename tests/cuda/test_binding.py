@@ -17,7 +17,7 @@ import torch
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 from tests.cuda.gradients import assert_bits_equal, make_grads
-from tests.cuda.samples import SAMPLES
+from tests.cuda.samples import SAMPLES, TWINS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,31 +110,21 @@ def test_dispatch_declines_mixed_devices(ops):
     assert len(seen) == 1
 
 
-def _twin(op: str):
-    from strategies.layerwise import layerwise_update_
-    from strategies.max_ema import max_ema_update_
-    from strategies.native import native_update_
-    from strategies.norm_ratio import norm_ratio_update_
-
-    return {"native_update_": native_update_, "max_ema_update_": max_ema_update_,
-            "norm_ratio_update_": norm_ratio_update_, "layerwise_update_": layerwise_update_}[op]
-
-
-@pytest.mark.parametrize("op", kernels.UPDATE_OPS)
+@pytest.mark.parametrize("op", sorted(TWINS))
 def test_op_schema_is_the_twin_signature(ops, op):
     """Same parameter names, order and defaults in the op's schema and its Python twin, so one
     argument list serves both (dispatch)."""
     import inspect
 
     schema = getattr(ops, op).default._schema.arguments
-    params = list(inspect.signature(_twin(op)).parameters.values())
+    params = list(inspect.signature(TWINS[op]).parameters.values())
     assert [a.name for a in schema] == [p.name for p in params]
     for a, p in zip(schema, params):
         want = inspect.Parameter.empty if not a.has_default_value() else a.default_value
         assert p.default == want, (a.name, p.default, want)
 
 
-@pytest.mark.parametrize("op", kernels.UPDATE_OPS)
+@pytest.mark.parametrize("op", sorted(TWINS))
 @pytest.mark.parametrize("case", range(3))
 def test_dispatch_runs_the_op_and_it_equals_the_twin(ops, op, case):
     """dispatch runs the op (the twin is not called) and the op's result is the twin's, bit for
@@ -143,7 +133,7 @@ def test_dispatch_runs_the_op_and_it_equals_the_twin(ops, op, case):
     called: list[int] = []
     kernels.dispatch(op, lambda *a: called.append(1), *args)
     assert not called
-    _twin(op)(*ref)
+    TWINS[op](*ref)
     for a, r in zip(args, ref):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
