@@ -55,3 +55,26 @@ def test_cuda_shim_syntax(tmp_path: Path):
            str(kernels.source_dir() / "cuda_shim.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_stats_kernel_geometry_in_ptx(tmp_path: Path):
+    """The statistics kernel of each dtype moves 16-byte vectors (ld/st.global.v4) and takes a
+    chunk table of more than 4 KiB (CUDA 12.1+'s 32 KB kernel parameters): the launch geometry
+    of issue 15 A.4 survives as compiled code, not only as source."""
+    import re
+
+    cu = kernels.source_dir() / "kernels" / "stats_kernel.cu"
+    ptx = tmp_path / "stats.ptx"
+    cmd = [NVCC, "-ptx", "-arch=sm_90", "-O3", "--fmad=false", "-I", str(kernels.source_dir() / "include"), str(cu),
+           "-o", str(ptx)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    text = ptx.read_text()
+    entries = re.split(r"\.visible \.entry|\.entry", text)
+    stats = {dt: body for body in entries for dt in ("IfE", "I6__halfE", "I13__nv_bfloat16E")
+             if f"stats_kernel{dt}" in body.split("(", 1)[0]}
+    assert set(stats) == {"IfE", "I6__halfE", "I13__nv_bfloat16E"}
+    for dt, body in stats.items():
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.", body) and re.search(r"st\.global(\.\w+)*\.v4\.", body), dt
+        table = int(re.search(r"_param_0\[(\d+)\]", body).group(1))
+        assert table > 4096, (dt, table)
