@@ -14,6 +14,9 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
+  // The fake (meta) implementations live in this Python module (torch.library.register_fake);
+  // FakeTensor tracing imports it when an op is used before the module was.
+  m.set_python_module("strategies.kernels");
   // Unscale every gradient in place by its group's inverse scale and return per-group
   // (found_inf f32, absmax f32, sumsq f32, zeros i64, subnormals i64, numel i64).
   // group_index: one group per gradient, or [] for "all in group 0".
