@@ -3,6 +3,11 @@
 // (cuda/kernels/update_kernels.cu, one thread or one thread per layer group) and of the CPU twin
 // (cuda/cpu/update_cpu.cpp). No torch; plain g++ compiles it (SCALELAB_HD expands to `inline`).
 //
+// Each rule also has a functor form, `<Rule>Update`: the state/statistics pointers and the
+// parameters, with `operator()(g)` updating item g (a layer group; 0 for one-thread rules). The
+// op implementation (cpu/update_cpu.cpp) builds it once from the tensors, then runs it on the
+// CPU (a loop over g) or on the GPU (update_kernels.cu: one thread per g).
+//
 // Each rule mirrors, operation for operation and in the same floating-point precision, the
 // pure-torch update function of its strategy module (the oracle in tests/cuda):
 //   native      strategies/native.py   native_update_  (torch._amp_update_scale_ when H == 1)
@@ -53,6 +58,16 @@ SCALELAB_HD void native_update(float* scale, int32_t* growth_tracker, int32_t* h
     }
   }
 }
+
+struct NativeUpdate {
+  float* scale;
+  int32_t *growth_tracker, *hysteresis_tracker;
+  const float* found_inf;
+  NativeParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    native_update(scale, growth_tracker, hysteresis_tracker, *found_inf, p);
+  }
+};
 
 // [min_scale, max_scale] clamp applied after every update by strategies/base.py (Tensor.clamp_).
 // NaN never reaches it (rules keep S finite); bounds <= 0 / inf mean "no bound".
@@ -158,6 +173,22 @@ SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, in
   *growth_tracker = t;
 }
 
+// Per group g; found_inf / grad_absmax advance by their stride (0 broadcasts one value).
+struct MaxEmaUpdate {
+  float *scale, *ema;
+  int32_t *ema_steps, *growth_tracker;
+  float* candidate;
+  const float* found_inf;
+  int64_t found_stride;
+  const float* grad_absmax;
+  int64_t absmax_stride;
+  MaxEmaParams p;
+  SCALELAB_HD void operator()(int64_t g) const {
+    max_ema_update(scale + g, ema + g, ema_steps + g, growth_tracker + g, candidate + g, found_inf[g * found_stride],
+                   grad_absmax[g * absmax_stride], p);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // norm_ratio: norm-ratio scaling (seed 003, section 3.2), exactly
 // strategies.norm_ratio.norm_ratio_update_. Off-probe steps: torch's rule (native_update, H = 1).
@@ -228,6 +259,21 @@ SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float*
   *log_ratio_ema = m;
   *ema_steps += valid ? 1 : 0;
 }
+
+struct NormRatioUpdate {
+  float* scale;
+  int32_t* growth_tracker;
+  float* log_ratio_ema;
+  int32_t* ema_steps;
+  float* last_ratio;
+  const float *found_inf, *ref_sumsq, *mp_sumsq;
+  bool probed;
+  NormRatioParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    norm_ratio_update(scale, growth_tracker, log_ratio_ema, ema_steps, last_ratio, *found_inf, *ref_sumsq, *mp_sumsq,
+                      probed, p);
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // layerwise: one power-of-two scale per layer group, exactly strategies.layerwise.layerwise_update_.
@@ -307,6 +353,24 @@ inline LayerwiseParams layerwise_params(int32_t rule, double target_max, double 
   p.max_scale = static_cast<float>(max_scale);
   return p;
 }
+
+// All groups in one call (item 0 only): the blame needs the any() over groups first.
+struct LayerwiseUpdate {
+  float* scales;
+  int32_t* trackers;
+  float* ema;
+  int32_t *ema_steps, *hysteresis;
+  float *candidate, *origin;
+  const float *found_inf, *group_found_inf, *group_absmax;
+  const int64_t* group_numel;
+  const float *emitted, *contaminated;
+  int64_t groups;
+  LayerwiseParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    layerwise_update(scales, trackers, ema, ema_steps, hysteresis, candidate, origin, *found_inf, group_found_inf,
+                     group_absmax, group_numel, emitted, contaminated, groups, p);
+  }
+};
 
 }  // namespace rules
 }  // namespace scalelab
