@@ -1,5 +1,7 @@
-// CUDA registration shim: torch.ops.scalelab.* for CUDA tensors, forwarding to the raw-pointer
-// entry points of cuda/kernels/*.cu on torch's current stream. Built only when torch has CUDA
+// CUDA registration shim of the statistics pass: torch.ops.scalelab.unscale_and_stats for CUDA
+// tensors, forwarding to the raw-pointer entry point of cuda/kernels/stats_kernel.cu on torch's
+// current stream. (The update ops register their CUDA implementation in cpu/update_cpu.cpp: the
+// same op function builds a rule functor for either device.) Built only when torch has CUDA
 // (strategies/kernels.py adds this file and the .cu sources, and defines SCALELAB_WITH_CUDA).
 // Nothing here synchronises with the host: outputs and workspace are allocated by torch's caching
 // allocator and every kernel is enqueued on the current stream.
@@ -75,128 +77,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {found_inf, absmax, sumsq, zeros, tiny, numel};
 }
 
-void check_state(const at::Tensor& t, at::ScalarType dt, const char* name, int64_t numel, bool may_broadcast) {
-  TORCH_CHECK(t.is_cuda(), "scalelab: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dt, "scalelab: ", name, " must be ", dt, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "scalelab: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel || (may_broadcast && t.numel() == 1), "scalelab: ", name, " must have ", numel,
-              " elements, got ", t.numel());
-}
-
-cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
-
-void native_update_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
-                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
-                        int64_t growth_interval, int64_t hysteresis) {
-  check_state(scale, at::kFloat, "scale", 1, false);
-  check_state(growth_tracker, at::kInt, "growth_tracker", 1, false);
-  check_state(hysteresis_tracker, at::kInt, "hysteresis_tracker", 1, false);
-  check_state(found_inf, at::kFloat, "found_inf", 1, false);
-  const c10::cuda::CUDAGuard guard(scale.device());
-  const rules::NativeParams p{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval),
-                              static_cast<int32_t>(hysteresis)};
-  check_launch(cuda::native_update(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-                                   hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(), p,
-                                   stream_of(scale)),
-               "native_update kernel launch");
-}
-
-void max_ema_update_cuda(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
-                         at::Tensor& candidate, const at::Tensor& found_inf, const at::Tensor& grad_absmax,
-                         double target_max, double ema_decay, double growth_factor, double backoff_factor,
-                         int64_t growth_interval, bool round_pow2, bool grow_on_zero) {
-  const int64_t G = scale.numel();
-  check_state(scale, at::kFloat, "scale", G, false);
-  check_state(ema, at::kFloat, "ema", G, false);
-  check_state(ema_steps, at::kInt, "ema_steps", G, false);
-  check_state(growth_tracker, at::kInt, "growth_tracker", G, false);
-  check_state(candidate, at::kFloat, "candidate", G, false);
-  check_state(found_inf, at::kFloat, "found_inf", G, true);
-  check_state(grad_absmax, at::kFloat, "grad_absmax", G, true);
-  const c10::cuda::CUDAGuard guard(scale.device());
-  const rules::MaxEmaParams p = rules::max_ema_params(target_max, ema_decay, growth_factor, backoff_factor,
-                                                      growth_interval, round_pow2, grow_on_zero);
-  check_launch(cuda::max_ema_update(scale.data_ptr<float>(), ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
-                                    growth_tracker.data_ptr<int32_t>(), candidate.data_ptr<float>(),
-                                    found_inf.const_data_ptr<float>(), found_inf.numel() == 1 ? 0 : 1,
-                                    grad_absmax.const_data_ptr<float>(), grad_absmax.numel() == 1 ? 0 : 1, G, p,
-                                    stream_of(scale)),
-               "max_ema_update kernel launch");
-}
-
-void norm_ratio_update_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& log_ratio_ema,
-                            at::Tensor& ema_steps, at::Tensor& last_ratio, const at::Tensor& found_inf,
-                            const at::Tensor& ref_sumsq, const at::Tensor& mp_sumsq, bool probed,
-                            double growth_factor, double backoff_factor, int64_t growth_interval,
-                            double threshold_high, double threshold_low, double ema_decay) {
-  check_state(scale, at::kFloat, "scale", 1, false);
-  check_state(growth_tracker, at::kInt, "growth_tracker", 1, false);
-  check_state(log_ratio_ema, at::kFloat, "log_ratio_ema", 1, false);
-  check_state(ema_steps, at::kInt, "ema_steps", 1, false);
-  check_state(last_ratio, at::kFloat, "last_ratio", 1, false);
-  check_state(found_inf, at::kFloat, "found_inf", 1, false);
-  check_state(ref_sumsq, at::kFloat, "ref_sumsq", 1, false);
-  check_state(mp_sumsq, at::kFloat, "mp_sumsq", 1, false);
-  const c10::cuda::CUDAGuard guard(scale.device());
-  const rules::NormRatioParams p = rules::norm_ratio_params(growth_factor, backoff_factor, growth_interval,
-                                                            threshold_high, threshold_low, ema_decay);
-  check_launch(cuda::norm_ratio_update(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-                                       log_ratio_ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
-                                       last_ratio.data_ptr<float>(), found_inf.const_data_ptr<float>(),
-                                       ref_sumsq.const_data_ptr<float>(), mp_sumsq.const_data_ptr<float>(), probed,
-                                       p, stream_of(scale)),
-               "norm_ratio_update kernel launch");
-}
-
-}  // namespace
-
-int32_t layerwise_rule_code(c10::string_view rule);  // cuda/cpu/update_cpu.cpp
-
-namespace {
-
-void layerwise_update_cuda(at::Tensor& scales, at::Tensor& growth_trackers, at::Tensor& ema, at::Tensor& ema_steps,
-                           at::Tensor& hysteresis, at::Tensor& candidate, at::Tensor& origin,
-                           const at::Tensor& found_inf, const at::Tensor& group_found_inf,
-                           const at::Tensor& group_absmax, const at::Tensor& group_numel, const at::Tensor& emitted,
-                           const at::Tensor& contaminated, c10::string_view rule, double target_max,
-                           double ema_decay, double growth_factor, double backoff_factor, int64_t growth_interval,
-                           bool grow_on_zero, std::optional<double> min_scale, std::optional<double> max_scale) {
-  const int64_t G = scales.numel();
-  check_state(scales, at::kFloat, "scales", G, false);
-  check_state(growth_trackers, at::kInt, "growth_trackers", G, false);
-  check_state(ema, at::kFloat, "ema", G, false);
-  check_state(ema_steps, at::kInt, "ema_steps", G, false);
-  check_state(hysteresis, at::kInt, "hysteresis", G, false);
-  check_state(candidate, at::kFloat, "candidate", G, false);
-  check_state(origin, at::kFloat, "origin", G, false);
-  check_state(found_inf, at::kFloat, "found_inf", 1, false);
-  check_state(group_found_inf, at::kFloat, "group_found_inf", G, false);
-  check_state(group_absmax, at::kFloat, "group_absmax", G, false);
-  check_state(group_numel, at::kLong, "group_numel", G, false);
-  check_state(emitted, at::kFloat, "emitted", G, false);
-  check_state(contaminated, at::kFloat, "contaminated", G, false);
-  const c10::cuda::CUDAGuard guard(scales.device());
-  const rules::LayerwiseParams p = rules::layerwise_params(
-      layerwise_rule_code(rule), target_max, ema_decay, growth_factor, backoff_factor, growth_interval, grow_on_zero,
-      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0));
-  check_launch(cuda::layerwise_update(scales.data_ptr<float>(), growth_trackers.data_ptr<int32_t>(),
-                                      ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
-                                      hysteresis.data_ptr<int32_t>(), candidate.data_ptr<float>(),
-                                      origin.data_ptr<float>(), found_inf.const_data_ptr<float>(),
-                                      group_found_inf.const_data_ptr<float>(), group_absmax.const_data_ptr<float>(),
-                                      group_numel.const_data_ptr<int64_t>(), emitted.const_data_ptr<float>(),
-                                      contaminated.const_data_ptr<float>(), G, p, stream_of(scales)),
-               "layerwise_update kernel launch");
-}
-
 }  // namespace
 }  // namespace scalelab
 
-TORCH_LIBRARY_IMPL(scalelab, CUDA, m) {
-  m.impl("layerwise_update_", &scalelab::layerwise_update_cuda);
-  m.impl("unscale_and_stats", &scalelab::unscale_and_stats_cuda);
-  m.impl("native_update_", &scalelab::native_update_cuda);
-  m.impl("max_ema_update_", &scalelab::max_ema_update_cuda);
-  m.impl("norm_ratio_update_", &scalelab::norm_ratio_update_cuda);
-}
+TORCH_LIBRARY_IMPL(scalelab, CUDA, m) { m.impl("unscale_and_stats", &scalelab::unscale_and_stats_cuda); }
 #endif  // SCALELAB_WITH_CUDA

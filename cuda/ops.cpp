@@ -1,11 +1,22 @@
 // Operator schemas of the scalelab extension: torch.ops.scalelab.*.
 //
 // The CPU twin (cuda/cpu/*.cpp) registers the CPU implementations; cuda/cuda_shim.cpp registers
-// the CUDA ones when the extension is built against a CUDA-enabled torch. The plain-torch
-// references (strategies/stats.py, the strategies' update functions) are the oracles in tests.
+// the CUDA ones when the extension is built against a CUDA-enabled torch; strategies/kernels.py
+// registers the fake (meta) implementations. The plain-torch references (strategies/stats.py,
+// the strategies' update functions) are the oracles in tests.
+//
+// Every update op takes exactly the positional arguments of its Python twin, in the same order
+// and with the same meaning (strategies.kernels.dispatch calls one or the other with one list):
+//   native_update_      strategies.native.native_update_
+//   max_ema_update_     strategies.max_ema.max_ema_update_
+//   norm_ratio_update_  strategies.norm_ratio.norm_ratio_update_
+//   layerwise_update_   strategies.layerwise.layerwise_update_
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
+  // The fake (meta) implementations live in this Python module (torch.library.register_fake);
+  // FakeTensor tracing imports it when an op is used before the module was.
+  m.set_python_module("strategies.kernels");
   // Unscale every gradient in place by its group's inverse scale and return per-group
   // (found_inf f32, absmax f32, sumsq f32, zeros i64, subnormals i64, numel i64).
   // group_index: one group per gradient, or [] for "all in group 0".
@@ -20,7 +31,8 @@ TORCH_LIBRARY(scalelab, m) {
   m.def(
       "max_ema_update_(Tensor(a!) scale, Tensor(b!) ema, Tensor(c!) ema_steps, Tensor(d!) growth_tracker, "
       "Tensor(e!) candidate, Tensor found_inf, Tensor grad_absmax, float target_max, float ema_decay, "
-      "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero) -> ()");
+      "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero, "
+      "bool cap_ema_on_overflow=False) -> ()");
   // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (scalelab_rules.h).
   m.def(
       "norm_ratio_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) log_ratio_ema, "
@@ -33,5 +45,5 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor(e!) hysteresis, Tensor(f!) candidate, Tensor(g!) origin, Tensor found_inf, Tensor group_found_inf, "
       "Tensor group_absmax, Tensor group_numel, Tensor emitted, Tensor contaminated, str rule, float target_max, "
       "float ema_decay, float growth_factor, float backoff_factor, int growth_interval, bool grow_on_zero, "
-      "float? min_scale, float? max_scale) -> ()");
+      "float? min_scale, float? max_scale, bool cap_ema_on_overflow=False) -> ()");
 }

@@ -4,9 +4,14 @@ On first use it builds the extension from the sources in ``cuda/`` with
 ``torch.utils.cpp_extension.load`` (CPU twin always; the ``.cu`` kernels and their CUDA shim too
 when torch has CUDA and ``nvcc`` is found), into a stable per-machine-class build directory, and
 loads it. Later processes reuse the build (torch's file lock makes concurrent first builds, e.g.
-under pytest-xdist, safe). When no compiler is available or the build fails, every entry point
-returns ``None`` (stats) or ``False`` (updates) and callers use their plain-torch path; a
-one-time ``RuntimeWarning`` says why.
+under pytest-xdist, safe). Loading also registers the fake (meta) implementation of every op
+(``torch.library.register_fake``). When no compiler is available or the build fails,
+:func:`unscale_and_stats` returns ``None`` (the caller runs the plain-torch reference) and
+:func:`dispatch` runs the rule's Python twin; a one-time ``RuntimeWarning`` says why.
+
+Two entry points: :func:`unscale_and_stats` (the statistics pass) and :func:`dispatch` (every
+rule's update op, ``torch.ops.scalelab.<rule>_update_``, or its Python twin with the same
+arguments).
 
 Environment:
 
@@ -35,11 +40,8 @@ __all__ = [
     "available",
     "build_directory",
     "dispatch",
-    "layerwise_update_",
     "load",
-    "max_ema_update_",
-    "native_update_",
-    "norm_ratio_update_",
+    "op_names",
     "source_dir",
     "unavailable_reason",
     "unscale_and_stats",
@@ -145,7 +147,9 @@ def load() -> bool:
                               "building the CPU ops only", RuntimeWarning, stacklevel=3)
                 _build(False)
             _loaded = hasattr(torch.ops.scalelab, "unscale_and_stats")
-            if not _loaded:
+            if _loaded:
+                _register_fakes()
+            else:
                 _reason = "the built library registered no scalelab ops"
         except Exception as exc:  # no compiler, failed build, missing sources: fall back
             _loaded = False
@@ -157,6 +161,37 @@ def load() -> bool:
                 stacklevel=3,
             )
         return _loaded
+
+
+def op_names() -> list[str]:
+    """Names of the ops the loaded library defines (``torch.ops.scalelab.<name>``), sorted."""
+    return sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith("scalelab::")})
+
+
+def _register_fakes() -> None:
+    """Fake (meta) implementations of every op, for FakeTensor tracing and ``torch.compile``:
+    shapes and dtypes of the outputs, nothing computed. Every op that returns nothing (the rules'
+    update ops rewrite their state tensors in place, as their schemas declare) gets the same
+    no-op fake, so a new rule's op needs nothing here."""
+
+    def unscale_and_stats_fake(
+        grads: list[torch.Tensor], inv_scale: torch.Tensor, group_index: list[int], num_groups: int
+    ) -> tuple[torch.Tensor, ...]:
+        f = [inv_scale.new_empty((num_groups,), dtype=torch.float32) for _ in range(3)]
+        i = [inv_scale.new_empty((num_groups,), dtype=torch.int64) for _ in range(3)]
+        return (*f, *i)
+
+    def update_fake(*args: Any) -> None:
+        return None
+
+    for name in op_names():
+        if name == "unscale_and_stats":
+            torch.library.register_fake("scalelab::unscale_and_stats", unscale_and_stats_fake)
+        elif not getattr(torch.ops.scalelab, name).default._schema.returns:
+            torch.library.register_fake(f"scalelab::{name}", update_fake)
+        else:
+            raise RuntimeError(f"scalelab::{name} returns values: give it a fake implementation in kernels.py")
 
 
 def available() -> bool:
@@ -242,124 +277,10 @@ def dispatch(op: str, twin: Callable[..., Any], *args: Any) -> None:
     The op's schema and the twin's signature are the same positional list (the twin is the oracle
     of the op in ``tests/cuda``), so a rule calls ``dispatch("<rule>_update_", <rule>_update_, ...)``
     and nothing else; adding a kernel for a rule touches the rule header, the CPU twin, the ``.cu``
-    and the op registration only.
+    and the op registration only (recipe: ``cuda/README.md``).
     """
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if tensors and _update_applies(op, tensors) and hasattr(torch.ops.scalelab, op):
         getattr(torch.ops.scalelab, op)(*args)
     else:
         twin(*args)
-
-
-def native_update_(
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    hysteresis_tracker: torch.Tensor,
-    found_inf: torch.Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-) -> bool:
-    """Backoff/growth with hysteresis in one op (``scalelab_rules.h: native_update``); ``False``
-    when the op does not apply (the caller runs its torch path). S * factor is evaluated in
-    double and rounded to float, as ``torch._amp_update_scale_`` does."""
-    if not _update_applies("native_update_", (scale, growth_tracker, hysteresis_tracker, found_inf)):
-        return False
-    torch.ops.scalelab.native_update_(scale, growth_tracker, hysteresis_tracker, found_inf,
-                                      float(growth_factor), float(backoff_factor), int(growth_interval),
-                                      int(hysteresis))
-    return True
-
-
-def max_ema_update_(
-    scale: torch.Tensor,
-    ema: torch.Tensor,
-    ema_steps: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    candidate: torch.Tensor,
-    found_inf: torch.Tensor,
-    grad_absmax: torch.Tensor,
-    target_max: float,
-    ema_decay: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    round_pow2: bool,
-    grow_on_zero: bool,
-) -> bool:
-    """:func:`strategies.max_ema.max_ema_update_` as one op (same arguments, bit-identical
-    results); ``False`` when the op does not apply."""
-    tensors = (scale, ema, ema_steps, growth_tracker, candidate, found_inf, grad_absmax)
-    if not _update_applies("max_ema_update_", tensors):
-        return False
-    torch.ops.scalelab.max_ema_update_(*tensors, float(target_max), float(ema_decay), float(growth_factor),
-                                       float(backoff_factor), int(growth_interval), bool(round_pow2),
-                                       bool(grow_on_zero))
-    return True
-
-
-def norm_ratio_update_(
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    log_ratio_ema: torch.Tensor,
-    ema_steps: torch.Tensor,
-    last_ratio: torch.Tensor,
-    found_inf: torch.Tensor,
-    ref_sumsq: torch.Tensor,
-    mp_sumsq: torch.Tensor,
-    probed: bool,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    threshold_high: float,
-    threshold_low: float,
-    ema_decay: float,
-) -> bool:
-    """:func:`strategies.norm_ratio.norm_ratio_update_` as one op (same arguments; scale,
-    tracker and probe count bit-identical, the ratio and its log-EMA within 1-2 ulp because
-    torch's CPU sqrt/log2 are MKL's); ``False`` when the op does not apply."""
-    tensors = (scale, growth_tracker, log_ratio_ema, ema_steps, last_ratio, found_inf, ref_sumsq, mp_sumsq)
-    if not _update_applies("norm_ratio_update_", tensors):
-        return False
-    torch.ops.scalelab.norm_ratio_update_(*tensors, bool(probed), float(growth_factor), float(backoff_factor),
-                                          int(growth_interval), float(threshold_high), float(threshold_low),
-                                          float(ema_decay))
-    return True
-
-
-def layerwise_update_(
-    scales: torch.Tensor,
-    growth_trackers: torch.Tensor,
-    ema: torch.Tensor,
-    ema_steps: torch.Tensor,
-    hysteresis: torch.Tensor,
-    candidate: torch.Tensor,
-    origin: torch.Tensor,
-    found_inf: torch.Tensor,
-    group_found_inf: torch.Tensor,
-    group_absmax: torch.Tensor,
-    group_numel: torch.Tensor,
-    emitted: torch.Tensor,
-    contaminated: torch.Tensor,
-    rule: str,
-    target_max: float,
-    ema_decay: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    grow_on_zero: bool,
-    min_scale: float | None,
-    max_scale: float | None,
-) -> bool:
-    """:func:`strategies.layerwise.layerwise_update_` as one op (same arguments, bit-identical
-    results); ``False`` when the op does not apply."""
-    tensors = (scales, growth_trackers, ema, ema_steps, hysteresis, candidate, origin, found_inf,
-               group_found_inf, group_absmax, group_numel, emitted, contaminated)
-    if not _update_applies("layerwise_update_", tensors):
-        return False
-    torch.ops.scalelab.layerwise_update_(
-        *tensors, str(rule), float(target_max), float(ema_decay), float(growth_factor), float(backoff_factor),
-        int(growth_interval), bool(grow_on_zero),
-        None if min_scale is None else float(min_scale), None if max_scale is None else float(max_scale))
-    return True

@@ -36,7 +36,7 @@ Update (per group, in place, no host sync):
 
 * ``rule="max_ema"`` (default): :func:`strategies.max_ema.max_ema_update_` elementwise over the
   groups with each group's abs-max, rounded down to powers of two; ``rule="backoff_growth"``:
-  torch's backoff/growth per group (:func:`strategies.native.backoff_growth_hysteresis_`).
+  torch's backoff/growth per group (:func:`strategies.native.native_update_`).
 * Any non-finite gradient skips the whole step. Only the groups where the overflow *originated*
   back off; the other groups keep their scale and EMA (their growth tracker restarts, as the
   step was skipped). Attribution: each boundary hook checks its incoming gradient; a
@@ -58,13 +58,12 @@ from typing import Any, List, Optional
 
 import torch
 
-from strategies import kernels
+from strategies import kernels, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies import layer_groups
 from strategies.boundaries import Boundaries, Trace
 from strategies.max_ema import MaxEmaRule, max_ema_update_, round_down_pow2
-from strategies.native import backoff_growth_hysteresis_
+from strategies.native import native_update_
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
@@ -128,8 +127,8 @@ def layerwise_update_(
                         target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero,
                         cap_ema_on_overflow)
     elif rule == "backoff_growth":
-        backoff_growth_hysteresis_(scales, growth_trackers, hysteresis, blamed.float(),
-                                   growth_factor, backoff_factor, growth_interval, 1)
+        native_update_(scales, growth_trackers, hysteresis, blamed.float(),
+                       growth_factor, backoff_factor, growth_interval, 1)
         scales.copy_(round_down_pow2(scales))
     else:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -333,13 +332,10 @@ class LayerwiseStrategy(Strategy):
         assert stats is not None
         p, s = self.params, self.state
         lo, hi = p.pow2_bounds
-        args = (s.scale, s.growth_tracker, s.ema, s.ema_steps, s.hysteresis, s.candidate, s.overflow_origin,
-                found_inf, stats.found_inf, stats.absmax, stats.numel, s.emitted, s.contaminated,
-                p.rule, p.target_max, p.ema_decay, p.growth_factor, p.backoff_factor, p.growth_interval,
-                p.zero_grads == "grow", lo, hi)
-        if p.cap_ema_on_overflow:  # TODO(cuda branch): the op gains cap_ema_on_overflow
-            layerwise_update_(*args, cap_ema_on_overflow=True)
-        else:
-            kernels.dispatch("layerwise_update_", layerwise_update_, *args)
+        kernels.dispatch("layerwise_update_", layerwise_update_, s.scale, s.growth_tracker, s.ema, s.ema_steps,
+                         s.hysteresis, s.candidate, s.overflow_origin, found_inf, stats.found_inf, stats.absmax,
+                         stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,
+                         p.growth_factor, p.backoff_factor, p.growth_interval, p.zero_grads == "grow", lo, hi,
+                         p.cap_ema_on_overflow)
         s.contaminated.zero_()
         s.emitted.zero_()

@@ -117,7 +117,11 @@ def max_ema_update_(
 
     up = (scale * growth_factor).to(torch.float32)
     down = (scale * backoff_factor).to(torch.float32)
-    by_ema = torch.where(e > up, up, torch.where(e < scale / growth_factor, down, e))
+    # "Below S / growth_factor" as S times the reciprocal (1 / growth_factor in double, which torch
+    # rounds to float32), never a true division: torch on CUDA divides by a host scalar as a
+    # multiplication by its reciprocal, the rule header multiplies too, so every device and the
+    # kernels compute the same bits (growth_factor 2: S * 0.5 == S / 2 exactly).
+    by_ema = torch.where(e > up, up, torch.where(e < scale * (1.0 / growth_factor), down, e))
     no_info = up if grow_on_zero else scale
     new = torch.where(found, down, torch.where(fed, by_ema, no_info))
     new = torch.where(~found & ~may_grow, torch.minimum(new, scale), new)
@@ -177,10 +181,7 @@ class MaxEmaStrategy(Strategy):
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
         p, s = self.params, self.state
-        args = (s.scale, s.ema, s.ema_steps, s.growth_tracker, s.candidate, found_inf, stats.absmax.amax(),
-                p.target_max, p.ema_decay, p.growth_factor, p.backoff_factor, p.growth_interval,
-                p.round_pow2, p.zero_grads == "grow")
-        if p.cap_ema_on_overflow:  # TODO(cuda branch): the op gains cap_ema_on_overflow
-            max_ema_update_(*args, cap_ema_on_overflow=True)
-        else:
-            kernels.dispatch("max_ema_update_", max_ema_update_, *args)
+        kernels.dispatch("max_ema_update_", max_ema_update_, s.scale, s.ema, s.ema_steps, s.growth_tracker,
+                         s.candidate, found_inf, stats.absmax.amax(), p.target_max, p.ema_decay, p.growth_factor,
+                         p.backoff_factor, p.growth_interval, p.round_pow2, p.zero_grads == "grow",
+                         p.cap_ema_on_overflow)

@@ -35,7 +35,7 @@ from strategies.state import State
 from strategies.stats import GradStats
 
 
-def backoff_growth_hysteresis_(
+def native_update_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     hysteresis_tracker: torch.Tensor,
@@ -45,7 +45,15 @@ def backoff_growth_hysteresis_(
     growth_interval: int,
     hysteresis: int,
 ) -> None:
-    """Megatron-style backoff/growth with hysteresis, in place on the device (no host sync)."""
+    """Megatron-style backoff/growth with hysteresis, in place on the device (no host sync): the
+    Python twin of ``torch.ops.scalelab.native_update_`` (same arguments). With ``hysteresis``
+    1, ``scale`` and ``growth_tracker`` follow ``torch._amp_update_scale_`` exactly.
+
+    Args:
+        scale: float32 S; growth_tracker: int32 t; hysteresis_tracker: int32 h; updated.
+        found_inf: float32, > 0 when the step's gradients were non-finite.
+        other arguments: the rule's hyper-parameters (see the module docstring).
+    """
     found = found_inf > 0
     h_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (h_after <= 0)
@@ -81,6 +89,6 @@ class NativeStrategy(Strategy):
             torch._amp_update_scale_(s.scale, s.growth_tracker, found_inf,
                                      p.growth_factor, p.backoff_factor, p.growth_interval)
         else:
-            kernels.dispatch("native_update_", backoff_growth_hysteresis_, s.scale, s.growth_tracker,
+            kernels.dispatch("native_update_", native_update_, s.scale, s.growth_tracker,
                              s.hysteresis_tracker, found_inf, p.growth_factor, p.backoff_factor,
                              p.growth_interval, p.hysteresis)

@@ -183,7 +183,7 @@ def unscale_and_stats_reference(
             out.zeros[gi] = zeros
             out.subnormals[gi] = tiny - zeros
             out.numel[gi] = sum(g.numel() for g in gs)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, out.found_inf[gi], inv[gi])
+            _non_finite_check_and_unscale_(gs, out.found_inf[gi], inv[gi])
             absmax = torch.stack(torch._foreach_norm(gs, float("inf"))).float().amax()
             # Half-precision norms accumulate in float32; float32/float64 ones in their own dtype.
             half = [g for g in gs if g.dtype in (torch.float16, torch.bfloat16)]
@@ -221,9 +221,39 @@ def unscale_and_stats(
 def unscale_and_check(
     grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
 ) -> None:
-    """The found-inf-only path (no statistics): torch's own op, for strategies that need none."""
+    """The found-inf-only path (no statistics): torch's own op, for strategies that need none
+    (bfloat16 CUDA gradients: the same arithmetic in plain torch, see below)."""
     with torch.no_grad():
-        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+        _non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+
+
+_MANUAL_BF16_DEVICES: tuple[str, ...] = ("cuda",)
+"""Device types whose bfloat16 gradients bypass ``torch._amp_foreach_non_finite_check_and_unscale_``:
+torch implements it on CUDA for float, double and half only (pytorch issue 127176). Tests add
+``"cpu"`` to check the manual path bit for bit against torch's CPU op."""
+
+
+def _non_finite_check_and_unscale_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_``, with bfloat16 gradients on the
+    devices of :data:`_MANUAL_BF16_DEVICES` done in plain torch with the op's arithmetic:
+    ``found_inf <- 1`` if any *arrived* value is NaN/Inf, then ``g <- bf16(float(g) * inv)`` (one
+    float32 product, rounded to nearest even), ``g`` untouched where ``inv == 1``. No host sync
+    (``inv == 1`` is decided on the device)."""
+    manual = [g for g in grads if g.dtype == torch.bfloat16 and g.device.type in _MANUAL_BF16_DEVICES]
+    rest = [g for g in grads if not (g.dtype == torch.bfloat16 and g.device.type in _MANUAL_BF16_DEVICES)]
+    if rest:
+        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
+    if not manual:
+        return
+    inv = inv_scale.reshape(())
+    bad = torch.stack([(~torch.isfinite(g)).any() for g in manual]).any()
+    found_inf.masked_fill_(bad, 1.0)
+    keep = inv == 1
+    for g in manual:
+        g.copy_(torch.where(keep, g, (g.float() * inv).to(torch.bfloat16)))
+
 
 
 def gather(

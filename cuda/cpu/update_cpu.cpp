@@ -1,5 +1,11 @@
-// CPU twin of the update kernels: each op reads the step's statistics and rewrites the strategy's
-// state tensors in place, through the same scalar rules (scalelab_rules.h) the CUDA kernels run.
+// The update ops: each checks the strategy's state and statistics tensors, builds its rule's
+// functor (scalelab_rules.h) from them and runs it in place: on the CPU here (the CPU twin of the
+// CUDA kernels: a loop over groups), on the GPU through update_kernels.cu (one thread per group,
+// on torch's current stream, no host sync) when the extension is built with CUDA. Both devices
+// run the same functor, so one op implementation serves both registrations below.
+//
+// A new rule adds: its op function (checks, parameters, functor, run) and one line in
+// register_update_ops.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -8,85 +14,108 @@
 
 #include "scalelab_rules.h"
 
+#ifdef SCALELAB_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "scalelab_cuda.h"
+#endif
+
 namespace scalelab {
 namespace {
 
-void check_scalar(const at::Tensor& t, at::ScalarType dt, const char* name) {
-  TORCH_CHECK(t.numel() == 1, "scalelab: ", name, " must have one element, got ", t.numel());
+// A state or statistics tensor: on the scale's device (a kernel launched there must never
+// dereference another device's memory), of dtype `dt`, contiguous, with `numel` elements (or 1
+// where the op broadcasts it). Returns its stride over groups (0: broadcast).
+int64_t check(const at::Tensor& t, const at::Device& device, at::ScalarType dt, const char* name, int64_t numel,
+              bool may_broadcast = false) {
+  TORCH_CHECK(t.device() == device, "scalelab: ", name, " is on ", t.device(), " but the scale is on ", device);
   TORCH_CHECK(t.scalar_type() == dt, "scalelab: ", name, " must be ", dt, ", got ", t.scalar_type());
-  TORCH_CHECK(t.device().is_cpu(), "scalelab: ", name, " must be on the CPU here");
+  TORCH_CHECK(t.is_contiguous(), "scalelab: ", name, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel || (may_broadcast && t.numel() == 1), "scalelab: ", name, " must have ", numel,
+              may_broadcast ? " or 1" : "", " elements, got ", t.numel());
+  return t.numel() == 1 ? 0 : 1;
 }
 
-void native_update_cpu(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
-                       const at::Tensor& found_inf, double growth_factor, double backoff_factor,
-                       int64_t growth_interval, int64_t hysteresis) {
-  check_scalar(scale, at::kFloat, "scale");
-  check_scalar(growth_tracker, at::kInt, "growth_tracker");
-  check_scalar(hysteresis_tracker, at::kInt, "hysteresis_tracker");
-  check_scalar(found_inf, at::kFloat, "found_inf");
+// Run a rule functor for items 0..n-1 on `device`.
+template <typename F>
+void run(const at::Device& device, const F& f, int64_t n, const char* op) {
+  if (device.is_cpu()) {
+    for (int64_t g = 0; g < n; ++g) f(g);
+    return;
+  }
+#ifdef SCALELAB_WITH_CUDA
+  TORCH_CHECK(device.is_cuda(), "scalelab::", op, ": tensors must be on the CPU or a CUDA device, got ", device);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaError_t err = cuda::launch_rule(f, n, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "scalelab::", op, ": kernel launch failed: ", cudaGetErrorString(err));
+#else
+  TORCH_CHECK(false, "scalelab::", op, ": built without CUDA, got tensors on ", device);
+#endif
+}
+
+void native_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
+                      const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                      int64_t growth_interval, int64_t hysteresis) {
+  const at::Device d = scale.device();
+  check(scale, d, at::kFloat, "scale", 1);
+  check(growth_tracker, d, at::kInt, "growth_tracker", 1);
+  check(hysteresis_tracker, d, at::kInt, "hysteresis_tracker", 1);
+  check(found_inf, d, at::kFloat, "found_inf", 1);
   const rules::NativeParams p{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval),
                               static_cast<int32_t>(hysteresis)};
-  rules::native_update(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-                       hysteresis_tracker.data_ptr<int32_t>(), *found_inf.const_data_ptr<float>(), p);
+  const rules::NativeUpdate f{scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                              hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(), p};
+  run(d, f, 1, "native_update_");
 }
 
 // State tensors have G elements; per-step inputs 1 (broadcast) or G.
-int64_t check_group_tensor(const at::Tensor& t, at::ScalarType dt, const char* name, int64_t groups,
-                           bool may_broadcast) {
-  TORCH_CHECK(t.scalar_type() == dt, "scalelab: ", name, " must be ", dt, ", got ", t.scalar_type());
-  TORCH_CHECK(t.device().is_cpu(), "scalelab: ", name, " must be on the CPU here");
-  TORCH_CHECK(t.is_contiguous(), "scalelab: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == groups || (may_broadcast && t.numel() == 1), "scalelab: ", name, " must have ",
-              groups, may_broadcast ? " or 1" : "", " elements, got ", t.numel());
-  return t.numel() == 1 ? 0 : 1;  // stride
-}
-
-void max_ema_update_cpu(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
-                        at::Tensor& candidate, const at::Tensor& found_inf, const at::Tensor& grad_absmax,
-                        double target_max, double ema_decay, double growth_factor, double backoff_factor,
-                        int64_t growth_interval, bool round_pow2, bool grow_on_zero) {
+void max_ema_update_op(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
+                       at::Tensor& candidate, const at::Tensor& found_inf, const at::Tensor& grad_absmax,
+                       double target_max, double ema_decay, double growth_factor, double backoff_factor,
+                       int64_t growth_interval, bool round_pow2, bool grow_on_zero, bool cap_ema_on_overflow) {
+  const at::Device d = scale.device();
   const int64_t G = scale.numel();
-  check_group_tensor(scale, at::kFloat, "scale", G, false);
-  check_group_tensor(ema, at::kFloat, "ema", G, false);
-  check_group_tensor(ema_steps, at::kInt, "ema_steps", G, false);
-  check_group_tensor(growth_tracker, at::kInt, "growth_tracker", G, false);
-  check_group_tensor(candidate, at::kFloat, "candidate", G, false);
-  const int64_t sf = check_group_tensor(found_inf, at::kFloat, "found_inf", G, true);
-  const int64_t sa = check_group_tensor(grad_absmax, at::kFloat, "grad_absmax", G, true);
+  check(scale, d, at::kFloat, "scale", G);
+  check(ema, d, at::kFloat, "ema", G);
+  check(ema_steps, d, at::kInt, "ema_steps", G);
+  check(growth_tracker, d, at::kInt, "growth_tracker", G);
+  check(candidate, d, at::kFloat, "candidate", G);
+  const int64_t sf = check(found_inf, d, at::kFloat, "found_inf", G, true);
+  const int64_t sa = check(grad_absmax, d, at::kFloat, "grad_absmax", G, true);
   const rules::MaxEmaParams p = rules::max_ema_params(target_max, ema_decay, growth_factor, backoff_factor,
-                                                      growth_interval, round_pow2, grow_on_zero);
-  float* s = scale.data_ptr<float>();
-  float* e = ema.data_ptr<float>();
-  int32_t* n = ema_steps.data_ptr<int32_t>();
-  int32_t* t = growth_tracker.data_ptr<int32_t>();
-  float* c = candidate.data_ptr<float>();
-  const float* f = found_inf.const_data_ptr<float>();
-  const float* a = grad_absmax.const_data_ptr<float>();
-  for (int64_t g = 0; g < G; ++g) rules::max_ema_update(s + g, e + g, n + g, t + g, c + g, f[g * sf], a[g * sa], p);
+                                                      growth_interval, round_pow2, grow_on_zero, cap_ema_on_overflow);
+  const rules::MaxEmaUpdate f{scale.data_ptr<float>(),   ema.data_ptr<float>(),
+                              ema_steps.data_ptr<int32_t>(), growth_tracker.data_ptr<int32_t>(),
+                              candidate.data_ptr<float>(), found_inf.const_data_ptr<float>(),
+                              sf,                          grad_absmax.const_data_ptr<float>(),
+                              sa,                          p};
+  run(d, f, G, "max_ema_update_");
 }
 
-void norm_ratio_update_cpu(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& log_ratio_ema,
-                           at::Tensor& ema_steps, at::Tensor& last_ratio, const at::Tensor& found_inf,
-                           const at::Tensor& ref_sumsq, const at::Tensor& mp_sumsq, bool probed,
-                           double growth_factor, double backoff_factor, int64_t growth_interval,
-                           double threshold_high, double threshold_low, double ema_decay) {
-  check_scalar(scale, at::kFloat, "scale");
-  check_scalar(growth_tracker, at::kInt, "growth_tracker");
-  check_scalar(log_ratio_ema, at::kFloat, "log_ratio_ema");
-  check_scalar(ema_steps, at::kInt, "ema_steps");
-  check_scalar(last_ratio, at::kFloat, "last_ratio");
-  check_scalar(found_inf, at::kFloat, "found_inf");
-  check_scalar(ref_sumsq, at::kFloat, "ref_sumsq");
-  check_scalar(mp_sumsq, at::kFloat, "mp_sumsq");
+void norm_ratio_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& log_ratio_ema,
+                          at::Tensor& ema_steps, at::Tensor& last_ratio, const at::Tensor& found_inf,
+                          const at::Tensor& ref_sumsq, const at::Tensor& mp_sumsq, bool probed, double growth_factor,
+                          double backoff_factor, int64_t growth_interval, double threshold_high, double threshold_low,
+                          double ema_decay) {
+  const at::Device d = scale.device();
+  check(scale, d, at::kFloat, "scale", 1);
+  check(growth_tracker, d, at::kInt, "growth_tracker", 1);
+  check(log_ratio_ema, d, at::kFloat, "log_ratio_ema", 1);
+  check(ema_steps, d, at::kInt, "ema_steps", 1);
+  check(last_ratio, d, at::kFloat, "last_ratio", 1);
+  check(found_inf, d, at::kFloat, "found_inf", 1);
+  check(ref_sumsq, d, at::kFloat, "ref_sumsq", 1);
+  check(mp_sumsq, d, at::kFloat, "mp_sumsq", 1);
   const rules::NormRatioParams p = rules::norm_ratio_params(growth_factor, backoff_factor, growth_interval,
                                                             threshold_high, threshold_low, ema_decay);
-  rules::norm_ratio_update(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-                           log_ratio_ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
-                           last_ratio.data_ptr<float>(), *found_inf.const_data_ptr<float>(),
-                           *ref_sumsq.const_data_ptr<float>(), *mp_sumsq.const_data_ptr<float>(), probed, p);
+  const rules::NormRatioUpdate f{scale.data_ptr<float>(),         growth_tracker.data_ptr<int32_t>(),
+                                 log_ratio_ema.data_ptr<float>(), ema_steps.data_ptr<int32_t>(),
+                                 last_ratio.data_ptr<float>(),    found_inf.const_data_ptr<float>(),
+                                 ref_sumsq.const_data_ptr<float>(), mp_sumsq.const_data_ptr<float>(),
+                                 probed,                          p};
+  run(d, f, 1, "norm_ratio_update_");
 }
-
-}  // namespace
 
 int32_t layerwise_rule_code(c10::string_view rule) {
   if (rule == "max_ema") return rules::kLayerwiseMaxEma;
@@ -95,46 +124,63 @@ int32_t layerwise_rule_code(c10::string_view rule) {
               std::string(rule), "'");
 }
 
-namespace {
-
-void layerwise_update_cpu(at::Tensor& scales, at::Tensor& growth_trackers, at::Tensor& ema, at::Tensor& ema_steps,
-                          at::Tensor& hysteresis, at::Tensor& candidate, at::Tensor& origin,
-                          const at::Tensor& found_inf, const at::Tensor& group_found_inf,
-                          const at::Tensor& group_absmax, const at::Tensor& group_numel, const at::Tensor& emitted,
-                          const at::Tensor& contaminated, c10::string_view rule, double target_max, double ema_decay,
-                          double growth_factor, double backoff_factor, int64_t growth_interval, bool grow_on_zero,
-                          std::optional<double> min_scale, std::optional<double> max_scale) {
+void layerwise_update_op(at::Tensor& scales, at::Tensor& growth_trackers, at::Tensor& ema, at::Tensor& ema_steps,
+                         at::Tensor& hysteresis, at::Tensor& candidate, at::Tensor& origin,
+                         const at::Tensor& found_inf, const at::Tensor& group_found_inf,
+                         const at::Tensor& group_absmax, const at::Tensor& group_numel, const at::Tensor& emitted,
+                         const at::Tensor& contaminated, c10::string_view rule, double target_max, double ema_decay,
+                         double growth_factor, double backoff_factor, int64_t growth_interval, bool grow_on_zero,
+                         std::optional<double> min_scale, std::optional<double> max_scale,
+                         bool cap_ema_on_overflow) {
+  const at::Device d = scales.device();
   const int64_t G = scales.numel();
-  check_group_tensor(scales, at::kFloat, "scales", G, false);
-  check_group_tensor(growth_trackers, at::kInt, "growth_trackers", G, false);
-  check_group_tensor(ema, at::kFloat, "ema", G, false);
-  check_group_tensor(ema_steps, at::kInt, "ema_steps", G, false);
-  check_group_tensor(hysteresis, at::kInt, "hysteresis", G, false);
-  check_group_tensor(candidate, at::kFloat, "candidate", G, false);
-  check_group_tensor(origin, at::kFloat, "origin", G, false);
-  check_scalar(found_inf, at::kFloat, "found_inf");
-  check_group_tensor(group_found_inf, at::kFloat, "group_found_inf", G, false);
-  check_group_tensor(group_absmax, at::kFloat, "group_absmax", G, false);
-  check_group_tensor(group_numel, at::kLong, "group_numel", G, false);
-  check_group_tensor(emitted, at::kFloat, "emitted", G, false);
-  check_group_tensor(contaminated, at::kFloat, "contaminated", G, false);
+  check(scales, d, at::kFloat, "scales", G);
+  check(growth_trackers, d, at::kInt, "growth_trackers", G);
+  check(ema, d, at::kFloat, "ema", G);
+  check(ema_steps, d, at::kInt, "ema_steps", G);
+  check(hysteresis, d, at::kInt, "hysteresis", G);
+  check(candidate, d, at::kFloat, "candidate", G);
+  check(origin, d, at::kFloat, "origin", G);
+  check(found_inf, d, at::kFloat, "found_inf", 1);
+  check(group_found_inf, d, at::kFloat, "group_found_inf", G);
+  check(group_absmax, d, at::kFloat, "group_absmax", G);
+  check(group_numel, d, at::kLong, "group_numel", G);
+  check(emitted, d, at::kFloat, "emitted", G);
+  check(contaminated, d, at::kFloat, "contaminated", G);
   const rules::LayerwiseParams p = rules::layerwise_params(
       layerwise_rule_code(rule), target_max, ema_decay, growth_factor, backoff_factor, growth_interval, grow_on_zero,
-      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0));
-  rules::layerwise_update(scales.data_ptr<float>(), growth_trackers.data_ptr<int32_t>(), ema.data_ptr<float>(),
-                          ema_steps.data_ptr<int32_t>(), hysteresis.data_ptr<int32_t>(), candidate.data_ptr<float>(),
-                          origin.data_ptr<float>(), *found_inf.const_data_ptr<float>(),
-                          group_found_inf.const_data_ptr<float>(), group_absmax.const_data_ptr<float>(),
-                          group_numel.const_data_ptr<int64_t>(), emitted.const_data_ptr<float>(),
-                          contaminated.const_data_ptr<float>(), G, p);
+      min_scale.has_value(), min_scale.value_or(0.0), max_scale.has_value(), max_scale.value_or(0.0),
+      cap_ema_on_overflow);
+  const rules::LayerwiseUpdate f{scales.data_ptr<float>(),
+                                 growth_trackers.data_ptr<int32_t>(),
+                                 ema.data_ptr<float>(),
+                                 ema_steps.data_ptr<int32_t>(),
+                                 hysteresis.data_ptr<int32_t>(),
+                                 candidate.data_ptr<float>(),
+                                 origin.data_ptr<float>(),
+                                 found_inf.const_data_ptr<float>(),
+                                 group_found_inf.const_data_ptr<float>(),
+                                 group_absmax.const_data_ptr<float>(),
+                                 group_numel.const_data_ptr<int64_t>(),
+                                 emitted.const_data_ptr<float>(),
+                                 contaminated.const_data_ptr<float>(),
+                                 G,
+                                 p};
+  run(d, f, 1, "layerwise_update_");  // one thread: the blame needs every group first
+}
+
+void register_update_ops(torch::Library& m) {
+  m.impl("native_update_", &native_update_op);
+  m.impl("max_ema_update_", &max_ema_update_op);
+  m.impl("norm_ratio_update_", &norm_ratio_update_op);
+  m.impl("layerwise_update_", &layerwise_update_op);
 }
 
 }  // namespace
 }  // namespace scalelab
 
-TORCH_LIBRARY_IMPL(scalelab, CPU, m) {
-  m.impl("layerwise_update_", &scalelab::layerwise_update_cpu);
-  m.impl("native_update_", &scalelab::native_update_cpu);
-  m.impl("max_ema_update_", &scalelab::max_ema_update_cpu);
-  m.impl("norm_ratio_update_", &scalelab::norm_ratio_update_cpu);
-}
+TORCH_LIBRARY_IMPL(scalelab, CPU, m) { scalelab::register_update_ops(m); }
+
+#ifdef SCALELAB_WITH_CUDA
+TORCH_LIBRARY_IMPL(scalelab, CUDA, m) { scalelab::register_update_ops(m); }
+#endif

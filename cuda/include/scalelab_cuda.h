@@ -33,27 +33,11 @@ cudaError_t unscale_and_stats(const GradArg* grads, int64_t num_grads, const flo
                               int64_t num_groups, void* workspace, float* found_inf, float* absmax, float* sumsq,
                               int64_t* zeros, int64_t* subnormals, int64_t* numel, cudaStream_t stream);
 
-// Update kernels: device pointers to the strategies' state, rules from scalelab_rules.h.
-cudaError_t native_update(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
-                          const float* found_inf, rules::NativeParams params, cudaStream_t stream);
-
-// `groups` elements of state; found_inf / grad_absmax advance by found_stride / absmax_stride
-// (0 broadcasts one value to every group).
-cudaError_t max_ema_update(float* scale, float* ema, int32_t* ema_steps, int32_t* growth_tracker, float* candidate,
-                           const float* found_inf, int64_t found_stride, const float* grad_absmax,
-                           int64_t absmax_stride, int64_t groups, rules::MaxEmaParams params, cudaStream_t stream);
-
-cudaError_t norm_ratio_update(float* scale, int32_t* growth_tracker, float* log_ratio_ema, int32_t* ema_steps,
-                              float* last_ratio, const float* found_inf, const float* ref_sumsq,
-                              const float* mp_sumsq, bool probed, rules::NormRatioParams params,
-                              cudaStream_t stream);
-
-// All groups in one thread (the blame needs an any() over groups first); arrays of `groups`.
-cudaError_t layerwise_update(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps, int32_t* hysteresis,
-                             float* candidate, float* origin, const float* found_inf, const float* group_found_inf,
-                             const float* group_absmax, const int64_t* group_numel, const float* emitted,
-                             const float* contaminated, int64_t groups, rules::LayerwiseParams params,
-                             cudaStream_t stream);
+// Update kernels: run a rule functor of scalelab_rules.h (device pointers + parameters) for
+// items 0..n-1, one thread per item (n = 1: one thread). Instantiated in update_kernels.cu for
+// every rule's functor.
+template <typename F>
+cudaError_t launch_rule(const F& f, int64_t n, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace scalelab

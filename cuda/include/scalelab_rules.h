@@ -3,9 +3,14 @@
 // (cuda/kernels/update_kernels.cu, one thread or one thread per layer group) and of the CPU twin
 // (cuda/cpu/update_cpu.cpp). No torch; plain g++ compiles it (SCALELAB_HD expands to `inline`).
 //
+// Each rule also has a functor form, `<Rule>Update`: the state/statistics pointers and the
+// parameters, with `operator()(g)` updating item g (a layer group; 0 for one-thread rules). The
+// op implementation (cpu/update_cpu.cpp) builds it once from the tensors, then runs it on the
+// CPU (a loop over g) or on the GPU (update_kernels.cu: one thread per g).
+//
 // Each rule mirrors, operation for operation and in the same floating-point precision, the
 // pure-torch update function of its strategy module (the oracle in tests/cuda):
-//   native      strategies/native.py   backoff_growth_hysteresis_  (torch._amp_update_scale_ when H == 1)
+//   native      strategies/native.py   native_update_  (torch._amp_update_scale_ when H == 1)
 //   max_ema     strategies/max_ema.py
 //   norm_ratio  strategies/norm_ratio.py
 //   layerwise   strategies/layerwise.py (per group)
@@ -54,6 +59,16 @@ SCALELAB_HD void native_update(float* scale, int32_t* growth_tracker, int32_t* h
   }
 }
 
+struct NativeUpdate {
+  float* scale;
+  int32_t *growth_tracker, *hysteresis_tracker;
+  const float* found_inf;
+  NativeParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    native_update(scale, growth_tracker, hysteresis_tracker, *found_inf, p);
+  }
+};
+
 // [min_scale, max_scale] clamp applied after every update by strategies/base.py (Tensor.clamp_).
 // NaN never reaches it (rules keep S finite); bounds <= 0 / inf mean "no bound".
 SCALELAB_HD float clamp_scale(float s, float min_scale, float max_scale) {
@@ -86,32 +101,46 @@ SCALELAB_HD float round_down_pow2(float x) {
 //   c = target_max / G   (torch: reciprocal(G) * target_max, two float32 roundings)
 //   fed = !found && c finite && G > 0;   e <- fed ? (steps > 0 ? d*e + (1-d)*c : c) : e
 //   t <- found ? 0 : min(t + 1, growth_interval);  may_grow = t >= growth_interval
-//   S' = found ? S*backoff : fed ? (e > S*growth ? S*growth : e < S/growth ? S*backoff : e)
+//   S' = found ? S*backoff : fed ? (e > S*growth ? S*growth : e < S*(1/growth) ? S*backoff : e)
 //                                : (grow_on_zero ? S*growth : S)
 //   if !found && !may_grow: S' = min(S', S);  if round_pow2: S' = round_down_pow2(S')
 //   S <- S' if finite and > 0, else S
+//   if cap_ema_on_overflow && found && steps > 0: e <- min(e, S)
 //
 // Every product is float32 times the float32-rounded Python factor, as torch computes
 // `tensor * python_float`; one_minus_decay is (1 - d) rounded from double, as Python does.
+// "Below S / growth" is S times the reciprocal (1/growth in double, rounded to float32), never
+// a true division: torch on CUDA divides a tensor by a host scalar as a multiplication by its
+// reciprocal, so the Python twin multiplies too and every device computes the same bits (for
+// growth = 2, S * 0.5 == S / 2 exactly).
 // ---------------------------------------------------------------------------------------------
 struct MaxEmaParams {
   float target_max;
   float ema_decay;
   float one_minus_decay;
   float growth_factor;
+  float inv_growth_factor;  // (float)(1.0 / growth_factor)
   float backoff_factor;
   int32_t growth_interval;
   bool round_pow2;
   bool grow_on_zero;
+  bool cap_ema_on_overflow;
 };
 
 // Host-side: the float32 factors exactly as torch rounds `tensor * python_float`.
 inline MaxEmaParams max_ema_params(double target_max, double ema_decay, double growth_factor, double backoff_factor,
-                                   int64_t growth_interval, bool round_pow2, bool grow_on_zero) {
-  return MaxEmaParams{static_cast<float>(target_max), static_cast<float>(ema_decay),
-                      static_cast<float>(1.0 - ema_decay), static_cast<float>(growth_factor),
-                      static_cast<float>(backoff_factor), static_cast<int32_t>(growth_interval), round_pow2,
-                      grow_on_zero};
+                                   int64_t growth_interval, bool round_pow2, bool grow_on_zero,
+                                   bool cap_ema_on_overflow) {
+  return MaxEmaParams{static_cast<float>(target_max),
+                      static_cast<float>(ema_decay),
+                      static_cast<float>(1.0 - ema_decay),
+                      static_cast<float>(growth_factor),
+                      static_cast<float>(1.0 / growth_factor),
+                      static_cast<float>(backoff_factor),
+                      static_cast<int32_t>(growth_interval),
+                      round_pow2,
+                      grow_on_zero,
+                      cap_ema_on_overflow};
 }
 
 SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, int32_t* growth_tracker,
@@ -131,7 +160,7 @@ SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, in
   const float s = *scale;
   const float up = rn_mul(s, p.growth_factor);
   const float down = rn_mul(s, p.backoff_factor);
-  const float by_ema = e > up ? up : (e < rn_div(s, p.growth_factor) ? down : e);
+  const float by_ema = e > up ? up : (e < rn_mul(s, p.inv_growth_factor) ? down : e);
   const float no_info = p.grow_on_zero ? up : s;
   float next = found ? down : (fed ? by_ema : no_info);
   if (!found && !may_grow) next = minimum_nan(next, s);
@@ -139,10 +168,26 @@ SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, in
   if (!(is_finite(next) && next > 0.f)) next = s;
 
   *scale = next;
-  *ema = e;
+  *ema = p.cap_ema_on_overflow && found && *ema_steps > 0 ? minimum_nan(e, next) : e;
   *ema_steps += fed ? 1 : 0;
   *growth_tracker = t;
 }
+
+// Per group g; found_inf / grad_absmax advance by their stride (0 broadcasts one value).
+struct MaxEmaUpdate {
+  float *scale, *ema;
+  int32_t *ema_steps, *growth_tracker;
+  float* candidate;
+  const float* found_inf;
+  int64_t found_stride;
+  const float* grad_absmax;
+  int64_t absmax_stride;
+  MaxEmaParams p;
+  SCALELAB_HD void operator()(int64_t g) const {
+    max_ema_update(scale + g, ema + g, ema_steps + g, growth_tracker + g, candidate + g, found_inf[g * found_stride],
+                   grad_absmax[g * absmax_stride], p);
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // norm_ratio: norm-ratio scaling (seed 003, section 3.2), exactly
@@ -215,6 +260,21 @@ SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float*
   *ema_steps += valid ? 1 : 0;
 }
 
+struct NormRatioUpdate {
+  float* scale;
+  int32_t* growth_tracker;
+  float* log_ratio_ema;
+  int32_t* ema_steps;
+  float* last_ratio;
+  const float *found_inf, *ref_sumsq, *mp_sumsq;
+  bool probed;
+  NormRatioParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    norm_ratio_update(scale, growth_tracker, log_ratio_ema, ema_steps, last_ratio, *found_inf, *ref_sumsq, *mp_sumsq,
+                      probed, p);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // layerwise: one power-of-two scale per layer group, exactly strategies.layerwise.layerwise_update_.
 //
@@ -222,8 +282,8 @@ SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float*
 //   blamed_g = skip && (group_found_inf_g > 0 || emitted_g > 0) && !(contaminated_g > 0);
 //              if skip and no group is blamed, every group is
 //   frozen_g = (skip && !blamed_g) || numel_g == 0
-//   rule per group with found = blamed_g: max_ema (round_pow2 forced) or backoff/growth (torch's
-//   rule, H = 1, then round_down_pow2); frozen groups keep scale/tracker/ema/steps/hysteresis;
+//   rule per group with found = blamed_g: max_ema (round_pow2 forced, cap_ema_on_overflow as
+//   given) or backoff/growth (torch's rule, H = 1, then round_down_pow2); frozen groups keep scale/tracker/ema/steps/hysteresis;
 //   every tracker restarts on a skipped step; scales clamped to [min, max]; origin_g = blamed_g
 //
 // Runs over all G groups in one call (the blame needs the any() over groups first), so the CUDA
@@ -280,11 +340,12 @@ SCALELAB_HD void layerwise_update(float* scales, int32_t* trackers, float* ema, 
 
 inline LayerwiseParams layerwise_params(int32_t rule, double target_max, double ema_decay, double growth_factor,
                                         double backoff_factor, int64_t growth_interval, bool grow_on_zero,
-                                        bool has_min, double min_scale, bool has_max, double max_scale) {
+                                        bool has_min, double min_scale, bool has_max, double max_scale,
+                                        bool cap_ema_on_overflow) {
   LayerwiseParams p;
   p.rule = rule;
   p.max_ema = max_ema_params(target_max, ema_decay, growth_factor, backoff_factor, growth_interval, true,
-                             grow_on_zero);
+                             grow_on_zero, cap_ema_on_overflow);
   p.native = NativeParams{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval), 1};
   p.has_min = has_min;
   p.has_max = has_max;
@@ -292,6 +353,24 @@ inline LayerwiseParams layerwise_params(int32_t rule, double target_max, double 
   p.max_scale = static_cast<float>(max_scale);
   return p;
 }
+
+// All groups in one call (item 0 only): the blame needs the any() over groups first.
+struct LayerwiseUpdate {
+  float* scales;
+  int32_t* trackers;
+  float* ema;
+  int32_t *ema_steps, *hysteresis;
+  float *candidate, *origin;
+  const float *found_inf, *group_found_inf, *group_absmax;
+  const int64_t* group_numel;
+  const float *emitted, *contaminated;
+  int64_t groups;
+  LayerwiseParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    layerwise_update(scales, trackers, ema, ema_steps, hysteresis, candidate, origin, *found_inf, group_found_inf,
+                     group_absmax, group_numel, emitted, contaminated, groups, p);
+  }
+};
 
 }  // namespace rules
 }  // namespace scalelab

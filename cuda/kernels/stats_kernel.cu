@@ -6,10 +6,18 @@
 // (scalelab_common.h).
 //
 // Layout: the host splits every gradient into chunks of kChunk elements and launches one block
-// per chunk, up to kMaxChunks chunks per launch, the chunk table passed by value as the kernel
-// argument (as torch's multi_tensor_apply does), so no host->device copy and no sync. Blocks
-// reduce in registers/shared memory and fold into a per-group workspace with atomics (double
-// for the sum of squares); a one-block finalize kernel writes the outputs.
+// of kThreads threads per chunk, up to kMaxChunks chunks per launch, the chunk table passed by
+// value as the kernel argument (as torch's multi_tensor_apply does), so no host->device copy and
+// no sync. CUDA 12.1+ allows 32,764 bytes of kernel parameters (Volta and newer): 2000 chunks of
+// 16,384 elements = 32,768,000 elements per launch, and 10M elements already make 611 blocks (4.6
+// per SM on a 132-SM H100); older toolkits get 4 KiB of parameters (250 chunks, 4.1M elements). Each thread moves 16-byte vectors (4 float32 / 8 float16 or bfloat16; kUnroll of them
+// loaded before any is processed), with scalar head/tail elements where a chunk does not start
+// or end on a 16-byte boundary. Blocks reduce in registers/shared memory and fold into a
+// per-group workspace with atomics (double for the sum of squares); a one-block finalize kernel
+// writes the outputs. Every element goes through the same scalar code whatever the path, so
+// gradients, found_inf, abs-max and counts are bit-identical to the CPU twin; the sum of squares
+// (exact squares added in double) depends on the order of additions only in the last bits of a
+// double.
 //
 // Compiles with nvcc alone: nvcc -arch=sm_80 -c stats_kernel.cu -I../include
 #include <cuda_bf16.h>
@@ -22,20 +30,28 @@ namespace scalelab {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kChunk = 1 << 16;
-constexpr int kMaxChunks = 160;  // 160 * 24 B + header < 4 KiB of kernel parameters
+constexpr int kThreads = 512;
+constexpr int64_t kChunk = 1 << 14;
+constexpr int kUnroll = 4;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kMaxChunks = 2000;  // 2000 * 16 B + 24 B of other arguments <= 32,764 B (CUDA 12.1+)
+constexpr size_t kMaxParamBytes = 32764;
+#else
+constexpr int kMaxChunks = 250;  // 250 * 16 B + 24 B <= 4,096 B
+constexpr size_t kMaxParamBytes = 4096;
+#endif
 
 struct Chunk {
   void* ptr;
   int32_t n;
   int32_t group;
-  int64_t pad;  // keeps the struct 8-byte aligned and 24 bytes on every ABI
 };
+static_assert(sizeof(Chunk) == 16, "Chunk must stay 16 bytes: the table fills the kernel parameters");
 
 struct ChunkTable {
   Chunk chunk[kMaxChunks];
 };
+static_assert(sizeof(ChunkTable) + 3 * sizeof(void*) <= kMaxParamBytes, "kernel parameters too large");
 
 struct GroupAccum {
   double sumsq;
@@ -50,25 +66,58 @@ struct GroupAccum {
 
 template <typename T> struct Conv;
 template <> struct Conv<float> {
-  static __device__ __forceinline__ float load(const float* p) { return *p; }
-  static __device__ __forceinline__ float store(float* p, float v) { *p = v; return v; }
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float v) { return v; }
 };
 template <> struct Conv<__half> {
-  static __device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
-  static __device__ __forceinline__ float store(__half* p, float v) {
-    const __half h = __float2half_rn(v);
-    *p = h;
-    return __half2float(h);
-  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 };
 template <> struct Conv<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-  static __device__ __forceinline__ float store(__nv_bfloat16* p, float v) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(v);
-    *p = h;
-    return __bfloat162float(h);
-  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
+
+// 16 bytes of T, loaded and stored as one vector (torch's aligned_vector).
+template <typename T> struct alignas(16) Vec {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// One thread's partial statistics.
+struct Partial {
+  double sumsq = 0.0;
+  unsigned int absmax_bits = 0, zeros = 0, tiny = 0, bad = 0, nan = 0;
+};
+
+// Every element, whichever path loaded it: classify the arrived value, unscale (one float32
+// product, rounded to T) when `write`, then abs-max / NaN / sum of squares of the stored value.
+template <typename T>
+__device__ __forceinline__ void visit(T& x, float inv, bool write, Partial& a) {
+  float v = Conv<T>::to_float(x);
+  const uint32_t ab = float_bits(v) & kAbsMask;
+  a.bad |= ab >= kExpMask;
+  a.zeros += is_zero_bits(ab);
+  a.tiny += is_tiny_bits(ab);
+  if (write) {
+    x = Conv<T>::from_float(__fmul_rn(v, inv));
+    v = Conv<T>::to_float(x);
+  }
+  const uint32_t ub = float_bits(v) & kAbsMask;
+  a.nan |= ub > kExpMask;
+  if (ub <= kExpMask) a.absmax_bits = max(a.absmax_bits, ub);
+  const double d = static_cast<double>(v);
+  a.sumsq = __fma_rn(d, d, a.sumsq);
+}
+
+template <typename T>
+__device__ __forceinline__ void visit_scalars(T* __restrict__ p, int lo, int hi, float inv, bool write, Partial& a) {
+  for (int i = lo + static_cast<int>(threadIdx.x); i < hi; i += kThreads) {
+    T x = p[i];
+    visit(x, inv, write, a);
+    if (write) p[i] = x;
+  }
+}
 
 __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -86,27 +135,42 @@ __device__ __forceinline__ unsigned int warp_max(unsigned int v) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stats_kernel(ChunkTable table, const float* __restrict__ inv_scale,
                                                          int inv_per_group, GroupAccum* __restrict__ acc) {
+  using V = Vec<T>;
   const Chunk c = table.chunk[blockIdx.x];
   T* __restrict__ p = static_cast<T*>(c.ptr);
   const float inv = inv_scale[inv_per_group ? c.group : 0];
   const bool write = inv != 1.f;
 
-  unsigned int absmax_bits = 0, zeros = 0, tiny = 0, bad = 0, nan = 0;
-  double sumsq = 0.0;
-  for (int i = threadIdx.x; i < c.n; i += kThreads) {
-    float v = Conv<T>::load(p + i);
-    const uint32_t ab = float_bits(v) & kAbsMask;
-    bad |= ab >= kExpMask;
-    zeros += is_zero_bits(ab);
-    tiny += is_tiny_bits(ab);
-    if (write) v = Conv<T>::store(p + i, __fmul_rn(v, inv));
-    const uint32_t ub = float_bits(v) & kAbsMask;
-    nan |= ub > kExpMask;
-    if (ub <= kExpMask) absmax_bits = max(absmax_bits, ub);
-    const double d = static_cast<double>(v);
-    sumsq = __fma_rn(d, d, sumsq);
-  }
+  // Elements before the first 16-byte boundary (a view into a buffer may start anywhere that
+  // is T-aligned), then whole vectors, then the tail.
+  const int misalign = static_cast<int>(reinterpret_cast<uintptr_t>(p) & 15u);
+  int head = ((16 - misalign) & 15) / static_cast<int>(sizeof(T));
+  if (head > c.n) head = c.n;
+  const int nv = (c.n - head) / V::kSize;
+  const int tail = head + nv * V::kSize;
 
+  Partial part;
+  visit_scalars(p, 0, head, inv, write, part);
+  V* __restrict__ pv = reinterpret_cast<V*>(p + head);
+  for (int base = threadIdx.x; base < nv; base += kThreads * kUnroll) {
+    V r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * kThreads < nv) r[u] = pv[base + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * kThreads < nv) {
+#pragma unroll
+        for (int k = 0; k < V::kSize; ++k) visit(r[u].v[k], inv, write, part);
+        if (write) pv[base + u * kThreads] = r[u];
+      }
+    }
+  }
+  visit_scalars(p, tail, c.n, inv, write, part);
+
+  double sumsq = part.sumsq;
+  unsigned int zeros = part.zeros, tiny = part.tiny, absmax_bits = part.absmax_bits;
+  unsigned int bad = part.bad, nan = part.nan;
   __shared__ double s_sum[kThreads / 32];
   __shared__ unsigned int s_u[4][kThreads / 32];
   sumsq = warp_sum(sumsq);
@@ -169,9 +233,11 @@ cudaError_t launch_dtype(const GradArg* grads, int64_t num_grads, int32_t dtype,
     T* base = static_cast<T*>(grads[k].ptr);
     for (int64_t s = 0; s < grads[k].numel; s += kChunk) {
       const int64_t n = grads[k].numel - s < kChunk ? grads[k].numel - s : kChunk;
-      table.chunk[used++] = Chunk{base + s, static_cast<int32_t>(n), grads[k].group, 0};
-      if (used == kMaxChunks) {
+      table.chunk[used++] = Chunk{base + s, static_cast<int32_t>(n), grads[k].group};
+      if (used == kMaxChunks) {  // the table is full: launch it and start the next one
         stats_kernel<T><<<used, kThreads, 0, stream>>>(table, inv_scale, inv_per_group, acc);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return err;
         used = 0;
       }
     }

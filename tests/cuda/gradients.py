@@ -27,8 +27,32 @@ def make_grad(
     layout: str = "contiguous",
 ) -> torch.Tensor:
     """``n`` log-uniform magnitudes over [2^-30, 2^8] with random signs, a few specials
-    sprinkled in, stored as ``dtype``; ``layout`` 'transposed' / 'strided' gives a
-    non-contiguous view of the same values."""
+    sprinkled in, stored as ``dtype``. ``layout``:
+
+    * ``contiguous``;
+    * ``column_major``: ``(n/3, 3)`` transposed (dense, not contiguous) when 3 divides n, else contiguous;
+    * ``strided``: every other element of a buffer (not dense);
+    * ``offset``: contiguous, starting one element into a buffer (not 16-byte aligned);
+    * ``transposed``: ``torch.empty(3, n).t()`` (3n elements, column-major for every n);
+    * ``transposed_slice``: ``torch.empty(3, n + 1)[:, 1:].t()`` (3n elements, neither dense nor
+      aligned).
+    """
+    m = 3 * n if layout in ("transposed", "transposed_slice") else n
+    x = _values(m, gen, specials).to(dtype)
+    if layout == "transposed":
+        return x.reshape(3, n).t()
+    if layout == "transposed_slice":
+        buf = torch.zeros(3, n + 1, dtype=dtype)
+        buf[:, 1:] = x.reshape(3, n)
+        return buf[:, 1:].t()
+    if layout == "offset":
+        buf = torch.zeros(n + 1, dtype=dtype)
+        buf[1:] = x
+        return buf[1:]
+    return _arrange(x, n, dtype, layout)
+
+
+def _values(n: int, gen: torch.Generator, specials: tuple[str, ...]) -> torch.Tensor:
     mag = torch.exp2(torch.empty(n).uniform_(-30, 8, generator=gen))
     sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
     x = mag * sign
@@ -38,7 +62,10 @@ def make_grad(
         for name in specials:
             idx = torch.randint(0, n, (max(1, n // 500),), generator=gen)
             x[idx] = SPECIALS[name]
-    x = x.to(dtype)
+    return x
+
+
+def _arrange(x: torch.Tensor, n: int, dtype: torch.dtype, layout: str) -> torch.Tensor:
     if layout == "contiguous":
         return x
     if layout == "column_major" and n % 3 == 0 and n:
@@ -72,3 +99,14 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     keep = ~na.contiguous()
     diff = (ia != ib) & keep
     assert not diff.any(), f"{int(diff.sum())} elements differ, first at {int(diff.nonzero()[0])}"
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (c10's ``is_non_overlapping_and_dense``, which Python lacks): the
+    elements fill one block of ``numel`` slots in some order, so a kernel may run over the storage."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

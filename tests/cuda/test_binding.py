@@ -1,5 +1,6 @@
-"""The binding module: dispatch from strategies.stats to the op, the plain-torch fallback with a
-one-time warning when the extension cannot be built, and concurrent first builds."""
+"""The binding module: dispatch from strategies.stats to the op, dispatch of every update op
+(op or Python twin, one argument list), the plain-torch fallback with a one-time warning when
+the extension cannot be built, and concurrent first builds."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 from tests.cuda.gradients import assert_bits_equal, make_grads
+from tests.cuda.samples import SAMPLES, TWINS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,10 @@ FALLBACK_SCRIPT = textwrap.dedent(
         a = unscale_and_stats(g1, torch.tensor(0.5))
         b = unscale_and_stats_reference(g2, torch.tensor(0.5))
         unscale_and_stats([torch.ones(2)], torch.tensor(0.5))  # second call: no second warning
-        ok = kernels.max_ema_update_(*(torch.zeros(()) for _ in range(7)), 1.0, 0.5, 2.0, 0.5, 1, False, True)
+        twin_ran = []
+        kernels.dispatch("max_ema_update_", lambda *a: twin_ran.append(len(a)),
+                         *(torch.zeros(()) for _ in range(7)), 1.0, 0.5, 2.0, 0.5, 1, False, True, False)
+        ok = not twin_ran
     same = all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("found_inf", "zeros", "subnormals", "numel"))
     msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
     print(json.dumps({"available": kernels.available(), "same": same, "update_op_used": ok, "warnings": msgs}))
@@ -87,10 +92,52 @@ def test_stats_dispatches_to_the_op(ops):
     assert torch.equal(got.absmax, ref.absmax) and torch.equal(got.zeros, ref.zeros)
 
 
-def test_update_wrappers_decline_foreign_tensors(ops):
-    """A dtype the op does not take sends the caller to its torch path (returns False)."""
+def test_dispatch_declines_foreign_tensors(ops):
+    """A dtype the op does not take sends dispatch to the Python twin, with the same arguments."""
     z64 = torch.zeros((), dtype=torch.float64)
-    assert kernels.max_ema_update_(*(z64,) * 7, 1.0, 0.5, 2.0, 0.5, 1, False, True) is False
+    args = (*(z64,) * 7, 1.0, 0.5, 2.0, 0.5, 1, False, True, False)
+    seen: list[tuple] = []
+    kernels.dispatch("max_ema_update_", lambda *a: seen.append(a), *args)
+    assert seen == [args]
+
+
+def test_dispatch_declines_mixed_devices(ops):
+    """Tensors on two devices (here a meta tensor among CPU ones) never reach the op."""
+    args = list(SAMPLES["native_update_"][0]())
+    args[3] = torch.empty((), device="meta")
+    seen: list[tuple] = []
+    kernels.dispatch("native_update_", lambda *a: seen.append(a), *args)
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("op", sorted(TWINS))
+def test_op_schema_is_the_twin_signature(ops, op):
+    """Same parameter names, order and defaults in the op's schema and its Python twin, so one
+    argument list serves both (dispatch)."""
+    import inspect
+
+    schema = getattr(ops, op).default._schema.arguments
+    params = list(inspect.signature(TWINS[op]).parameters.values())
+    assert [a.name for a in schema] == [p.name for p in params]
+    for a, p in zip(schema, params):
+        want = inspect.Parameter.empty if not a.has_default_value() else a.default_value
+        assert p.default == want, (a.name, p.default, want)
+
+
+@pytest.mark.parametrize("op", sorted(TWINS))
+@pytest.mark.parametrize("case", range(3))
+def test_dispatch_runs_the_op_and_it_equals_the_twin(ops, op, case):
+    """dispatch runs the op (the twin is not called) and the op's result is the twin's, bit for
+    bit, on the same argument list."""
+    args, ref = SAMPLES[op][case](), SAMPLES[op][case]()
+    called: list[int] = []
+    kernels.dispatch(op, lambda *a: called.append(1), *args)
+    assert not called
+    TWINS[op](*ref)
+    for a, r in zip(args, ref):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                               r.view(torch.int32) if r.dtype == torch.float32 else r), (a, r)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from strategies.stats import GradStats, unscale_and_stats_reference
-from tests.cuda.gradients import assert_bits_equal, make_grads
+from tests.cuda.gradients import assert_bits_equal, is_dense, make_grads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [0, 1, 7, 16, 17, 255, 1000, 4099, 40_000, 70_001]  # 70_001 spans three 32K chunks
@@ -87,6 +87,21 @@ def test_non_contiguous(ops, dtype):
     strides = [g.stride() for g in a]
     check(ops, a, b, torch.tensor(0.3))
     assert [g.stride() for g in a] == strides  # unscaled in place, views intact
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_column_major_offset_and_sliced_views(ops, dtype):
+    """Really column-major gradients (torch.empty(3, n).t()), views starting one element into
+    their buffer and transposed slices, at sizes that are not multiples of 3 or of a vector."""
+    sizes = [7, 65_537, 1, 4099, 0, 13]
+    layouts = ("transposed", "offset", "transposed_slice")
+    a = make_grads(sizes, dtype, seed=6, specials=("zero", "fp16_min_sub", "big"), layouts=layouts)
+    b = make_grads(sizes, dtype, seed=6, specials=("zero", "fp16_min_sub", "big"), layouts=layouts)
+    assert a[0].shape == (7, 3) and a[0].stride() == (1, 7) and is_dense(a[0])
+    assert a[1].storage_offset() == 1 and a[2].shape == (1, 3) and not is_dense(a[5])
+    strides = [g.stride() for g in a]
+    check(ops, a, b, torch.tensor(0.3))
+    assert [g.stride() for g in a] == strides
 
 
 def test_several_groups_and_mixed_dtypes(ops):

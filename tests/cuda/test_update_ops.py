@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from strategies.max_ema import max_ema_update_
-from strategies.native import backoff_growth_hysteresis_
+from strategies.native import native_update_
 from strategies.norm_ratio import norm_ratio_update_
 
 STEPS = 400
@@ -36,14 +36,11 @@ def random_absmax(gen: torch.Generator, n: int) -> torch.Tensor:
     return x
 
 
-# Non-power-of-two factors only against torch's kernel (H == 1): strategies.native's hysteresis
-# path multiplies in float32 (`scale * factor`), torch's kernel in double, so for H > 1 the two
-# agree bit for bit only where the product is exact (powers of two); the op follows torch.
-NATIVE_CASES = [
-    (h, f, i, p)
-    for h, f, i, p in itertools.product([1, 2, 4], [(2.0, 0.5), (1.1, 0.9), (1.5, 0.3), (4.0, 0.25)], [1, 3], [0.05, 0.5])
-    if h == 1 or (f[0] in (2.0, 4.0))
-]
+# H == 1: torch's own kernel is the reference; H > 1: the Python twin, which like torch and the op
+# evaluates S * factor in double and rounds once to float32 (non-power-of-two factors included).
+NATIVE_CASES = list(
+    itertools.product([1, 2, 4], [(2.0, 0.5), (1.1, 0.9), (1.5, 0.3), (4.0, 0.25)], [1, 3], [0.05, 0.5])
+)
 
 
 @pytest.mark.parametrize("hysteresis,factors,interval,p_inf", NATIVE_CASES)
@@ -52,15 +49,18 @@ def test_native_update_matches_reference(ops, hysteresis, factors, interval, p_i
     gen = torch.Generator().manual_seed(hysteresis * 100 + interval)
     state = (torch.tensor(2.0**120), torch.tensor(0, dtype=torch.int32), torch.tensor(hysteresis, dtype=torch.int32))
     ref = tuple(t.clone() for t in state)
+    twin = tuple(t.clone() for t in state)
     flags = (torch.rand(STEPS, generator=gen) < p_inf).float()
     for i in range(STEPS):
         f = flags[i].reshape(())
         ops.native_update_(*state, f, growth, backoff, interval, hysteresis)
-        if hysteresis == 1:  # torch's own kernel is the reference
+        if hysteresis == 1:  # torch's own kernel is the reference (and the twin equals it)
             torch._amp_update_scale_(ref[0], ref[1], f, growth, backoff, interval)
             ref[2].fill_(1)
+            native_update_(*twin, f, growth, backoff, interval, hysteresis)
+            assert_states_equal(i, twin[:2], ref[:2])
         else:
-            backoff_growth_hysteresis_(*ref, f, growth, backoff, interval, hysteresis)
+            native_update_(*ref, f, growth, backoff, interval, hysteresis)
         if hysteresis == 1:
             state[2].fill_(1)
         assert_states_equal(i, state, ref)
@@ -84,22 +84,59 @@ MAX_EMA_CASES = [
 
 @pytest.mark.parametrize("case", MAX_EMA_CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("broadcast_found", [False, True])
-def test_max_ema_update_matches_reference(ops, case, broadcast_found):
+@pytest.mark.parametrize("cap", [False, True], ids=["seed_rule", "cap_ema"])
+def test_max_ema_update_matches_reference(ops, case, broadcast_found, cap):
     target, decay, growth, backoff, interval, pow2, grow0, G = case
     gen = torch.Generator().manual_seed(G * 7 + interval)
     f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
     state = (torch.full((G,), 2.0**15, **f32), torch.zeros(G, **f32), torch.zeros(G, **i32),
              torch.zeros(G, **i32), torch.full((G,), float("nan"), **f32))
     ref = tuple(t.clone() for t in state)
+    other = tuple(t.clone() for t in state)  # the opposite cap option: shows the option acts
+    differed = False
     for i in range(STEPS):
         absmax = random_absmax(gen, G)
         found = (~torch.isfinite(absmax)).float()
         found = found.amax().reshape(()) if broadcast_found else found
         args = (found, absmax, target, decay, growth, backoff, interval, pow2, grow0)
-        ops.max_ema_update_(*state, *args)
-        max_ema_update_(*ref, *args)
+        ops.max_ema_update_(*state, *args, cap)
+        max_ema_update_(*ref, *args, cap)
         assert_states_equal(i, state, ref)
+        max_ema_update_(*other, *args, not cap)
+        differed |= not torch.equal(other[1], ref[1])
     assert (state[2] > 0).all(), "trajectory never fed the EMA: the test would not test it"
+    assert differed, "cap_ema_on_overflow never changed the EMA: the test would not test it"
+
+
+@pytest.mark.parametrize("growth", [1.5, 3.0, 2.0])
+def test_max_ema_drop_threshold_is_a_multiplication_by_the_reciprocal(ops, growth):
+    """"e below S / growth" is e < S * float32(1 / growth) in the op and in the twin (torch on CUDA
+    divides by a host scalar that way): EMAs placed between the true quotient and that product
+    take the same branch in both. For growth 2 the two are the same number (nothing changed)."""
+    gen = torch.Generator().manual_seed(int(growth * 10))
+    s = torch.exp2(torch.empty(4000).uniform_(-60, 60, generator=gen)) * (1 + torch.rand(4000, generator=gen))
+    s = torch.cat([s, torch.tensor([2.0**-149, 3 * 2.0**-149, 2.0**-126 * 1.5])])  # subnormal thresholds
+    by_mul, by_div = s * (1.0 / growth), s / growth
+    if growth == 2.0:
+        assert torch.equal(by_mul, by_div)
+        return
+    apart = by_mul != by_div
+    assert apart.sum() > 100, "no scale where the two thresholds differ: the test would not test it"
+    S = s[apart]
+    G = S.numel()
+    e = torch.minimum(by_mul, by_div)[apart]
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    # ema_decay 1 keeps e as given (fed with candidate 1/1 = 1 at weight 0); interval 1: may grow.
+    state = (S.clone(), e.clone(), torch.ones(G, **i32), torch.zeros(G, **i32), torch.zeros(G, **f32))
+    ref = tuple(t.clone() for t in state)
+    args = (torch.zeros(G), torch.ones(G), 1.0, 1.0, growth, 0.5, 1, False, True, False)
+    ops.max_ema_update_(*state, *args)
+    max_ema_update_(*ref, *args)
+    assert_states_equal(0, state, ref)
+    want = torch.where(e < S * torch.tensor(1.0 / growth, dtype=torch.float32), S * 0.5, e)
+    assert bits_equal(state[0], want)
+    true_division = torch.where(e < S / growth, S * 0.5, e)
+    assert not torch.equal(want, true_division), "the cases do not separate the two thresholds"
 
 
 NORM_RATIO_CASES = [
@@ -148,7 +185,8 @@ LAYERWISE_CASES = [
 
 
 @pytest.mark.parametrize("case", LAYERWISE_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_layerwise_update_matches_reference(ops, case):
+@pytest.mark.parametrize("cap", [False, True], ids=["seed_rule", "cap_ema"])
+def test_layerwise_update_matches_reference(ops, case, cap):
     from strategies.layerwise import layerwise_update_
 
     rule, growth, backoff, interval, grow0, lo, hi, G = case
@@ -167,8 +205,8 @@ def test_layerwise_update_matches_reference(ops, case):
         numel = torch.randint(0, 3, (G,), generator=gen) * 1000  # some groups got no gradient
         args = (found, group_found, absmax, numel, emitted, contaminated,
                 rule, 32768.0, 0.9, growth, backoff, interval, grow0, lo, hi)
-        ops.layerwise_update_(*state, *args)
-        layerwise_update_(*ref, *args)
+        ops.layerwise_update_(*state, *args, cap)
+        layerwise_update_(*ref, *args, cap)
         assert_states_equal(i, state, ref)
         skipped += int(found.item() > 0)
         blamed_some += int(found.item() > 0 and state[6].sum().item() < G)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import strategies
-from strategies.native import backoff_growth_hysteresis_
+from strategies.native import native_update_
 from tests.helpers import forbid_host_sync
 
 
@@ -71,6 +71,6 @@ def test_hysteresis_path_rounds_like_torch() -> None:
     scale, tracker, budget = torch.tensor(3.0), torch.tensor(0, dtype=torch.int32), torch.tensor(1, dtype=torch.int32)
     general = []
     for f in found:
-        backoff_growth_hysteresis_(scale, tracker, budget, torch.tensor(float(f)), 1.1, 0.3, 1, 1)
+        native_update_(scale, tracker, budget, torch.tensor(float(f)), 1.1, 0.3, 1, 1)
         general.append(scale.item())
     assert general == drive(a, found)
