@@ -10,6 +10,7 @@ telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed red
 
 No method here reads a tensor on the host except GradScaler's own ``step()`` skip decision
 (``found_inf.item()``; none with fused optimizers), :meth:`get_scale` and :meth:`state_dict`.
+A rule's ``fault`` state (see :class:`Strategy`) is read in that same ``step()`` read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ import torch.distributed as dist
 from strategies.params import ScalerParams
 from strategies.state import RuleState, State, base_state, from_state_dict, telemetry_of, to_state_dict
 from strategies.stats import GradStats, grads_by_device, unscale_and_check, unscale_and_stats
+
+
+class ScaleFloorError(ValueError):
+    """A rule's fault (e.g. an overflow with the scale already at ``min_scale`` and
+    ``on_min_scale="raise"``) ended training; the message is one line naming the step."""
+
+
+FAULT_STATE = State("fault", torch.int64, 0, low=0)
 
 
 class OptState(Enum):
@@ -49,7 +58,8 @@ class Strategy:
 
     * ``Params`` — its hyper-parameter dataclass (subclass of ``ScalerParams``);
     * ``state_spec`` — its device state beyond the base's ``scale``, ``growth_tracker``,
-      ``skipped_steps`` and ``found_inf`` (a tuple of :class:`strategies.state.State`);
+      ``skipped_steps`` and ``found_inf`` (a tuple of :class:`strategies.state.State`; a
+      ``State(..., when=pred)`` exists only where ``pred(params)``);
     * ``needs_stats`` — True when ``update_`` reads the gradient statistics (then they are
       gathered even with ``track_stats=False``; a rule that reads them without declaring it gets
       ``stats=None`` there and fails the contract tests);
@@ -63,6 +73,16 @@ class Strategy:
     * ``attach(model)`` / ``detach()`` — per-layer rules install / remove their hooks;
     * ``set_reference(closure, params)`` — rules that probe an fp32 reference gradient;
     * ``group_index(params)``, ``num_groups``, ``group_names``, ``output_group`` — per-group rules.
+
+    **Faults** (a rule that must end training, e.g. ``on_min_scale="raise"``): the rule declares
+    :data:`FAULT_STATE` (``State("fault", torch.int64, 0)``) and its update function writes into
+    it, on the device, the 1-based number of the update at which the fault happened (0: none;
+    the first fault is kept). Nothing extra is read: :meth:`step` reads ``fault`` together with
+    ``found_inf`` in its one host read (one stacked tensor) and raises :class:`ScaleFloorError`
+    (one line, naming the step) before the optimizer steps — i.e. at the first ``step()`` after
+    the faulty ``update()``. Fused optimizers (``_step_supports_amp_scaling``) have no host read
+    in ``step()``: there the fault is caught at the logging read — ``telemetry()["fault"]`` is
+    non-zero and :meth:`get_scale` (hence :meth:`state_dict`) raises :class:`ScaleFloorError`.
     """
 
     name: ClassVar[str] = "base"
@@ -111,7 +131,7 @@ class Strategy:
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
-        return base_state(self.per_group) + self.state_spec
+        return base_state(self.per_group) + tuple(s for s in self.state_spec if s.present(self.params))
 
     def _lazy_init(self, dev: torch.device) -> None:
         self.state = RuleState(self._specs(), self.params, self.num_groups, self._device or dev)
@@ -272,7 +292,15 @@ class Strategy:
                 del optimizer.found_inf  # type: ignore[attr-defined]
         else:
             retval = None
-            if not sum(t.item() for t in found.values()):
+            if "fault" in state.specs:  # one host read: found_inf of every device and the fault
+                dev = state.fault.device
+                read = torch.stack([t.to(dev, non_blocking=True).double() for t in found.values()]
+                                   + [state.fault.double()]).tolist()
+                self._raise_fault(int(read[-1]))
+                skip = sum(read[:-1])
+            else:
+                skip = sum(t.item() for t in found.values())
+            if not skip:
                 retval = optimizer.step(*args, **kwargs)
         opt_state["stage"] = OptState.STEPPED
         return retval
@@ -327,8 +355,23 @@ class Strategy:
 
     # ------------------------------------------------------------------ queries
     def get_scale(self) -> float:
-        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises."""
-        return float(self._output_value("scale", self.params.init_scale)) if self.params.enabled else 1.0
+        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises.
+        Raises :class:`ScaleFloorError` if the rule recorded a fault (class docstring)."""
+        if not self.params.enabled:
+            return 1.0
+        if self.state is not None and "fault" in self.state.specs:
+            scale, fault = torch.stack([self.output_scale().double(), self.state.fault.double()]).tolist()
+            self._raise_fault(int(fault))
+            return float(scale)
+        return float(self._output_value("scale", self.params.init_scale))
+
+    def _raise_fault(self, step: int) -> None:
+        if step:
+            raise ScaleFloorError(
+                f"{self.name}: step {step}: gradients overflowed with the loss scale at its floor "
+                f"(min_scale={self.params.min_scale!r}, on_min_scale='raise'); stopping. Lower the "
+                "learning rate, clip gradients or lower min_scale"
+            )
 
     def is_enabled(self) -> bool:
         return self.params.enabled

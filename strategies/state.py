@@ -29,6 +29,10 @@ class State:
         dtype: ``torch.float32``, ``torch.int32`` or ``torch.int64`` (what the kernels take).
         init: initial value, or ``init(params) -> value``.
         per_group: shape ``[G]`` (one entry per layer group) instead of ``[]``.
+        length: a fixed length ``L`` (or ``length(params) -> L``): shape ``[L]``, every entry
+            starting at ``init`` (e.g. a ring buffer); not with ``per_group``. Saved as a list.
+        when: ``when(params) -> bool``: the state exists only for parameters where it is true
+            (e.g. a fault flag only when the rule may raise); default: always.
         saved: kept in ``state_dict`` (telemetry-only values are not).
         low: the smallest valid value when loading (``None``: any); floats must also be finite.
     """
@@ -39,9 +43,26 @@ class State:
     per_group: bool = False
     saved: bool = True
     low: float | None = None
+    length: int | Callable[[Any], int] | None = None
+    when: Callable[[Any], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_group and self.length is not None:
+            raise ValueError(f"State {self.name!r}: per_group and length exclude each other")
+
+    def present(self, params: Any) -> bool:
+        return self.when is None or bool(self.when(params))
 
     def initial(self, params: Any) -> float | int:
         return self.init(params) if callable(self.init) else self.init
+
+    def shape(self, params: Any, num_groups: int) -> tuple[int, ...]:
+        """``[G]`` per group, ``[L]`` with a fixed length, else ``[]``."""
+        if self.per_group:
+            return (num_groups,)
+        if self.length is not None:
+            return (self.length(params) if callable(self.length) else self.length,)
+        return ()
 
 
 def base_state(per_group: bool) -> tuple[State, ...]:
@@ -62,8 +83,8 @@ class RuleState:
         self.specs = {s.name: s for s in specs}
         self.num_groups = num_groups
         for s in self.specs.values():
-            shape = (num_groups,) if s.per_group else ()
-            setattr(self, s.name, torch.full(shape, s.initial(params), dtype=s.dtype, device=device))
+            setattr(self, s.name, torch.full(s.shape(params, num_groups), s.initial(params), dtype=s.dtype,
+                                             device=device))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.specs}
@@ -93,16 +114,22 @@ def _number(key: str, value: Any, spec: State) -> float | int:
     return float(value) if spec.dtype.is_floating_point else int(value)
 
 
-def validated(specs: Iterable[State], values: dict[str, Any], num_groups: int) -> dict[str, Any]:
+def validated(specs: Iterable[State], values: dict[str, Any], num_groups: int, params: Any = None) -> dict[str, Any]:
     """Check every entry of ``values`` that a spec names (type, finiteness, bound, length) and
     return them normalised; raise one ``ValueError`` naming the first bad key. Unknown keys are
-    ignored and missing ones keep their current values."""
+    ignored and missing ones keep their current values. ``params`` sizes fixed-length states."""
     out: dict[str, Any] = {}
     for spec in specs:
         if not spec.saved or spec.name not in values:
             continue
         value = values[spec.name]
-        if spec.per_group:
+        if spec.length is not None:
+            (n,) = spec.shape(params, num_groups)
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise ValueError(f"state_dict entry {spec.name!r} must be a list of {n} numbers, got a "
+                                 f"{type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (list, tuple)) else ""))
+            out[spec.name] = [_number(f"{spec.name}[{i}]", x, spec) for i, x in enumerate(value)]
+        elif spec.per_group:
             if not isinstance(value, (list, tuple)) or len(value) != num_groups:
                 raise ValueError(
                     f"state_dict entry {spec.name!r} must be a list of {num_groups} numbers (one per group), "
@@ -167,7 +194,7 @@ def from_state_dict(strategy: Any, sd: Any) -> tuple[Any, int, dict[str, Any]]:
     if strategy.per_group:  # the per-group vectors live in extra; the top level holds the loss side's
         values["scale"] = extra.get("scale", [top["scale"]] * groups)
         values["growth_tracker"] = extra.get("growth_tracker", [top["growth_tracker"]] * groups)
-    values = validated(strategy._specs(), values, groups)
+    values = validated(strategy._specs(), values, groups, params)
     lo, hi = params.min_scale, params.max_scale
     for s in values["scale"] if isinstance(values["scale"], list) else [values["scale"]]:
         if (lo is not None and s < lo) or (hi is not None and s > hi):
