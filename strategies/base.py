@@ -82,7 +82,8 @@ class Strategy:
     (one line, naming the step) before the optimizer steps — i.e. at the first ``step()`` after
     the faulty ``update()``. Fused optimizers (``_step_supports_amp_scaling``) have no host read
     in ``step()``: there the fault is caught at the logging read — ``telemetry()["fault"]`` is
-    non-zero and :meth:`get_scale` (hence :meth:`state_dict`) raises :class:`ScaleFloorError`.
+    non-zero and :meth:`get_scale` raises :class:`ScaleFloorError` (:meth:`state_dict` does not:
+    a checkpoint of the faulty state can still be written, and keeps ``fault``).
     """
 
     name: ClassVar[str] = "base"

