@@ -10,6 +10,7 @@ telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed red
 
 No method here reads a tensor on the host except GradScaler's own ``step()`` skip decision
 (``found_inf.item()``; none with fused optimizers), :meth:`get_scale` and :meth:`state_dict`.
+A rule's ``fault`` state (see :class:`Strategy`) is read in that same ``step()`` read.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
+from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams
-from strategies.state import RuleState, State, base_state, from_state_dict, telemetry_of, to_state_dict
+from strategies.state import (FAULT_STATE, RuleState, ScaleFloorError, State, base_state, from_state_dict,
+                              raise_fault, telemetry_of, to_state_dict)
 from strategies.stats import GradStats, gather
 
 
@@ -32,7 +35,7 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}, "stats": None}
 
 
-class Strategy(torch.amp.GradScaler):
+class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     """Base class of every scaling strategy; a drop-in replacement for ``torch.amp.GradScaler``.
 
     It *subclasses* GradScaler (rather than only mimicking its methods) so that frameworks'
@@ -51,7 +54,8 @@ class Strategy(torch.amp.GradScaler):
 
     * ``Params`` — its hyper-parameter dataclass (subclass of ``ScalerParams``);
     * ``state_spec`` — its device state beyond the base's ``scale``, ``growth_tracker``,
-      ``skipped_steps`` and ``found_inf`` (a tuple of :class:`strategies.state.State`);
+      ``skipped_steps`` and ``found_inf`` (a tuple of :class:`strategies.state.State`; a
+      ``State(..., when=pred)`` exists only where ``pred(params)``);
     * ``needs_stats`` — True when ``update_`` reads the gradient statistics (then they are
       gathered even with ``track_stats=False``; a rule that reads them without declaring it gets
       ``stats=None`` there and fails the contract tests);
@@ -65,6 +69,13 @@ class Strategy(torch.amp.GradScaler):
     * ``attach(model)`` / ``detach()`` — per-layer rules install / remove their hooks;
     * ``set_reference(closure, params)`` — rules that probe an fp32 reference gradient;
     * ``group_index(params)``, ``num_groups``, ``group_names``, ``output_group`` — per-group rules.
+
+    **Faults** (a rule that must end training, e.g. ``on_min_scale="raise"``): the rule declares
+    ``FAULT_STATE`` and writes the update number of the fault into it on the device;
+    :meth:`step` reads it with ``found_inf`` in its one host read and raises
+    :class:`ScaleFloorError` before the optimizer steps. Fused optimizers have no host read in
+    ``step()``: there ``telemetry()["fault"]`` is non-zero and :meth:`get_scale` raises
+    (:meth:`state_dict` does not, so a checkpoint of the faulty state can still be written).
     """
 
     name: ClassVar[str] = "base"
@@ -114,24 +125,9 @@ class Strategy(torch.amp.GradScaler):
     def group_names(self) -> list[str]:
         return ["all"]
 
-    # ------------------------------------------------------------------ GradScaler's private members
-    _scale = property(lambda self: None if self.state is None else self.state.scale)
-    _growth_tracker = property(lambda self: None if self.state is None else self.state.growth_tracker)
-    _enabled = property(lambda self: self.params.enabled)
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        if self.state is None:
-            self._lazy_init(dev)
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self.params.enabled and len(self._per_optimizer_states) != 0:
-            raise AssertionError("A GradScaler instance may only be pickled at the beginning "
-                                 "of an iteration, or at the end after scaler.update().")
-        return self.__dict__.copy()
-
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
-        return base_state(self.per_group) + self.state_spec
+        return base_state(self.per_group) + tuple(s for s in self.state_spec if s.present(self.params))
 
     def _lazy_init(self, dev: torch.device) -> None:
         self.state = RuleState(self._specs(), self.params, self.num_groups, self._device or dev)
@@ -283,7 +279,12 @@ class Strategy(torch.amp.GradScaler):
                 del optimizer.found_inf  # type: ignore[attr-defined]
         else:
             retval = None
-            if not sum(t.item() for t in found.values()):
+            fault = [state.fault.double()] if "fault" in state.specs else []
+            read = torch.stack([t.to(state.scale.device, non_blocking=True).double() for t in found.values()]
+                               + fault).tolist()  # the one host read: found_inf per device (and the fault)
+            if fault:
+                raise_fault(self, int(read.pop()))
+            if not sum(read):
                 retval = optimizer.step(*args, **kwargs)
         opt_state["stage"] = OptState.STEPPED
         return retval
@@ -306,9 +307,7 @@ class Strategy(torch.amp.GradScaler):
                      for st in self._per_optimizer_states.values() for t in st["found_inf_per_device"].values()]
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            found_inf = found[0]
-            for t in found[1:]:
-                found_inf = found_inf + t
+            found_inf = sum(found[1:], found[0])
             stats: GradStats | None = None
             for st in self._per_optimizer_states.values():
                 if st["stats"] is not None:
@@ -326,32 +325,15 @@ class Strategy(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ queries
     def get_scale(self) -> float:
-        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises."""
-        return float(self._output_value("scale", self.params.init_scale)) if self.params.enabled else 1.0
-
-    def is_enabled(self) -> bool:
-        return self.params.enabled
-
-    def get_growth_factor(self) -> float:
-        return self.params.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self.params = self.params.replace(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self.params.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self.params = self.params.replace(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self.params.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self.params = self.params.replace(growth_interval=new_interval)
-
-    def _get_growth_tracker(self) -> int:
-        return int(self._output_value("growth_tracker", 0)) if self.params.enabled else 0
+        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises.
+        Raises :class:`ScaleFloorError` if the rule recorded a fault (class docstring)."""
+        if not self.params.enabled:
+            return 1.0
+        if self.state is not None and "fault" in self.state.specs:
+            scale, fault = torch.stack([self.output_scale().double(), self.state.fault.double()]).tolist()
+            raise_fault(self, int(fault))
+            return float(scale)
+        return float(self._output_value("scale", self.params.init_scale))
 
     def _output_value(self, key: str, default: float) -> float:
         """The loss-side group's entry ``key`` of the state, or of a loaded one not yet
@@ -391,7 +373,3 @@ class Strategy(torch.amp.GradScaler):
             self.state.load_(values)
         else:
             self._pending = values
-
-    def __repr__(self) -> str:
-        where = "uninitialised" if self.state is None else f"on {self.state.scale.device}"
-        return f"{type(self).__name__}(name={self.name!r}, enabled={self.params.enabled}, scale={where})"

@@ -16,8 +16,23 @@ overflow, growth needs ``growth_interval`` consecutive clean steps) and only del
 backoff; DeepSpeed's variant also changes when growth happens (``(iter - last_overflow) %
 scale_window``) and, with ``consecutive_hysteresis``, refills the budget on every clean step.
 
-Optional ``min_scale`` / ``max_scale`` clamp after every update (base class). Both extras are off
-by default, so ``native`` is bit-identical to ``torch.amp.GradScaler``.
+**hysteresis_refill** (with ``H > 1``): ``growth`` (default) refills the budget at each growth,
+as above — Megatron-LM ``megatron/core/optimizer/grad_scaler.py`` ``DynamicGradScaler.update`` and
+DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py`` ``DynamicLossScaler.update_scale`` with
+``consecutive_hysteresis=False`` (the default). ``clean_step`` refills it after *every* clean step,
+so only ``H`` overflows in a row back off — DeepSpeed ``consecutive_hysteresis=True`` and Apex
+``csrc/update_scale_hysteresis.cu`` ``update_scale_hysteresis_cuda_kernel``
+(:func:`refill_on_clean_step_`, run after the update).
+
+**on_min_scale** (:mod:`strategies.floor`): ``clamp`` (default) keeps S at ``min_scale``;
+``raise`` records a fault when an overflow that would back off (budget spent) arrives with S
+already at ``min_scale`` — DeepSpeed ``DynamicLossScaler.update_scale`` with
+``raise_error_at_min_scale=True`` (``cur_scale == min_scale``) — and the next ``step()`` raises
+:class:`strategies.base.ScaleFloorError` naming the step.
+
+Optional ``min_scale`` / ``max_scale`` clamp after every update (base class). All extras are off
+by default, so ``native`` is bit-identical to ``torch.amp.GradScaler`` (its default path calls
+``torch._amp_update_scale_`` itself).
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import torch
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
+from strategies.floor import FLOOR_FAULT, FloorParams, record_fault_
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
@@ -69,10 +85,30 @@ def native_update_(
     hysteresis_tracker.copy_(torch.where(grow, torch.full_like(h_after, hysteresis), h_after))
 
 
+def refill_on_clean_step_(hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor, hysteresis: int) -> None:
+    """``h <- H`` after every clean step (Apex ``update_scale_hysteresis_cuda_kernel``: "Reset the
+    hysteresis tracker if no infs are found"; DeepSpeed ``consecutive_hysteresis=True``). In place,
+    no host sync; run after :func:`native_update_`, which refills only at growth."""
+    hysteresis_tracker.copy_(torch.where(found_inf > 0, hysteresis_tracker, torch.full_like(hysteresis_tracker, hysteresis)))
+
+
+def native_floor_hit(scale: torch.Tensor, hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor,
+                     min_scale: float) -> torch.Tensor:
+    """DeepSpeed's ``raise_error_at_min_scale`` condition, before the update: an overflow that
+    backs off (budget spent: ``h - 1 <= 0``) while S is already at ``min_scale``."""
+    return (found_inf > 0) & (hysteresis_tracker - 1 <= 0) & (scale <= min_scale)
+
+
+HYSTERESIS_REFILL = ("growth", "clean_step")
+
+
 @dataclass
-class NativeParams(ScalerParams):
+class NativeParams(FloorParams, ScalerParams):
     hysteresis: int = hp(1, v.integer(1), "Megatron-LM DynamicGradScaler (1 = torch)",
-                         "overflows tolerated before backing off, refilled at each growth")
+                         "overflows tolerated before backing off")
+    hysteresis_refill: str = hp("growth", v.choice(*HYSTERESIS_REFILL),
+                                "Megatron-LM/DeepSpeed (growth); DeepSpeed consecutive_hysteresis, Apex (clean_step)",
+                                "when the hysteresis budget refills: at each growth | after every clean step")
 
 
 @register_strategy("native")
@@ -81,14 +117,19 @@ class NativeStrategy(Strategy):
     Megatron-style hysteresis and a [min_scale, max_scale] clamp (module docstring)."""
 
     Params = NativeParams
-    state_spec = (State("hysteresis_tracker", torch.int32, "hysteresis"),)
+    state_spec = (State("hysteresis_tracker", torch.int32, "hysteresis"), FLOOR_FAULT)
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         p, s = self.params, self.state
-        if p.hysteresis == 1:  # exactly torch.amp.GradScaler
+        if p.on_min_scale == "raise":
+            hit = native_floor_hit(s.scale, s.hysteresis_tracker, found_inf, p.min_scale)
+            record_fault_(s.fault, hit, self.updates + 1)
+        if p.hysteresis == 1:  # exactly torch.amp.GradScaler (a budget of 1 never needs a refill)
             torch._amp_update_scale_(s.scale, s.growth_tracker, found_inf,
                                      p.growth_factor, p.backoff_factor, p.growth_interval)
         else:
             kernels.dispatch("native_update_", native_update_, s.scale, s.growth_tracker,
                              s.hysteresis_tracker, found_inf, p.growth_factor, p.backoff_factor,
                              p.growth_interval, p.hysteresis)
+            if p.hysteresis_refill == "clean_step":
+                refill_on_clean_step_(s.hysteresis_tracker, found_inf, p.hysteresis)

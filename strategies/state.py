@@ -29,6 +29,10 @@ class State:
         dtype: ``torch.float32``, ``torch.int32`` or ``torch.int64`` (what the kernels take).
         init: initial value, or the name of the ``Params`` field that holds it.
         per_group: shape ``[G]`` (one entry per layer group) instead of ``[]``.
+        length: a fixed length ``L`` (or the name of the ``Params`` field holding it): shape ``[L]``, every entry
+            starting at ``init`` (e.g. a ring buffer); not with ``per_group``. Saved as a list.
+        when: ``when(params) -> bool``: the state exists only for parameters where it is true
+            (e.g. a fault flag only when the rule may raise); default: always.
         saved: kept in ``state_dict`` (telemetry-only values are not).
         low: the smallest valid value when loading (``None``: any); floats must also be finite.
     """
@@ -39,9 +43,47 @@ class State:
     per_group: bool = False
     saved: bool = True
     low: float | None = None
+    length: int | str | None = None
+    when: Callable[[Any], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_group and self.length is not None:
+            raise ValueError(f"State {self.name!r}: per_group and length exclude each other")
+
+    def present(self, params: Any) -> bool:
+        return self.when is None or bool(self.when(params))
 
     def initial(self, params: Any) -> float | int:
         return getattr(params, self.init) if isinstance(self.init, str) else self.init
+
+    def shape(self, params: Any, num_groups: int) -> tuple[int, ...]:
+        """``[G]`` per group, ``[L]`` with a fixed length, else ``[]``."""
+        if self.per_group:
+            return (num_groups,)
+        if self.length is not None:
+            return (int(getattr(params, self.length)) if isinstance(self.length, str) else self.length,)
+        return ()
+
+
+class ScaleFloorError(ValueError):
+    """A rule's fault (e.g. an overflow with the scale already at ``min_scale`` and
+    ``on_min_scale="raise"``) ended training; the message is one line naming the step."""
+
+
+FAULT_STATE = State("fault", torch.int64, 0, low=0)
+"""A rule that must end training writes the 1-based update number of the fault here, on the
+device (0: none; the first fault is kept); :class:`strategies.base.Strategy` reads it with the
+skip decision in ``step()`` (its one host read) or at ``get_scale()``, and raises."""
+
+
+def raise_fault(strategy: Any, step: int) -> None:
+    """Raise :class:`ScaleFloorError` for a recorded fault (``step > 0``)."""
+    if step:
+        raise ScaleFloorError(
+            f"{strategy.name}: step {step}: gradients overflowed with the loss scale at its floor "
+            f"(min_scale={strategy.params.min_scale!r}, on_min_scale='raise'); stopping. Lower the "
+            "learning rate, clip gradients or lower min_scale"
+        )
 
 
 def base_state(per_group: bool) -> tuple[State, ...]:
@@ -62,8 +104,8 @@ class RuleState:
         self.specs = {s.name: s for s in specs}
         self.num_groups = num_groups
         for s in self.specs.values():
-            shape = (num_groups,) if s.per_group else ()
-            setattr(self, s.name, torch.full(shape, s.initial(params), dtype=s.dtype, device=device))
+            setattr(self, s.name, torch.full(s.shape(params, num_groups), s.initial(params), dtype=s.dtype,
+                                             device=device))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.specs}
@@ -106,16 +148,22 @@ def _number(key: str, value: Any, spec: State) -> float | int:
     return float(value) if spec.dtype.is_floating_point else int(value)
 
 
-def validated(specs: Iterable[State], values: dict[str, Any], num_groups: int) -> dict[str, Any]:
+def validated(specs: Iterable[State], values: dict[str, Any], num_groups: int, params: Any = None) -> dict[str, Any]:
     """Check every entry of ``values`` that a spec names (type, finiteness, bound, length) and
     return them normalised; raise one ``ValueError`` naming the first bad key. Unknown keys are
-    ignored and missing ones keep their current values."""
+    ignored and missing ones keep their current values. ``params`` sizes fixed-length states."""
     out: dict[str, Any] = {}
     for spec in specs:
         if not spec.saved or spec.name not in values:
             continue
         value = values[spec.name]
-        if spec.per_group:
+        if spec.length is not None:
+            (n,) = spec.shape(params, num_groups)
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise ValueError(f"state_dict entry {spec.name!r} must be a list of {n} numbers, got a "
+                                 f"{type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (list, tuple)) else ""))
+            out[spec.name] = [_number(f"{spec.name}[{i}]", x, spec) for i, x in enumerate(value)]
+        elif spec.per_group:
             if not isinstance(value, (list, tuple)) or len(value) != num_groups:
                 raise ValueError(
                     f"state_dict entry {spec.name!r} must be a list of {num_groups} numbers (one per group), "
@@ -137,7 +185,7 @@ def to_state_dict(strategy: Any) -> dict[str, Any]:
     p = strategy.params
     return {
         "strategy": strategy.name,
-        "scale": strategy.get_scale(),
+        "scale": float(strategy._output_value("scale", strategy.params.init_scale)),  # no fault check: saving works
         "growth_factor": p.growth_factor,
         "backoff_factor": p.backoff_factor,
         "growth_interval": p.growth_interval,
@@ -180,7 +228,7 @@ def from_state_dict(strategy: Any, sd: Any) -> tuple[Any, int, dict[str, Any]]:
     if strategy.per_group:  # the per-group vectors live in extra; the top level holds the loss side's
         values["scale"] = extra.get("scale", [top["scale"]] * groups)
         values["growth_tracker"] = extra.get("growth_tracker", [top["growth_tracker"]] * groups)
-    values = validated(strategy._specs(), values, groups)
+    values = validated(strategy._specs(), values, groups, params)
     lo, hi = params.min_scale, params.max_scale
     for s in values["scale"] if isinstance(values["scale"], list) else [values["scale"]]:
         if (lo is not None and s < lo) or (hi is not None and s > hi):

@@ -225,6 +225,8 @@ def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any
             if "scales" in a["telemetry"]:  # per-group: the group where the fault arose backs off
                 now, before = a["telemetry"]["scales"], prev["telemetry"]["scales"]
                 assert bool((now <= before).all() and (now < before).any()), f"step {step}: {before} -> {now}"
+            elif name == "static":  # a fixed scale by definition (issue 11): skipped, S kept
+                assert a["scale"] == prev["scale"], "static must keep its scale"
             else:
                 assert a["scale"] < prev["scale"], "a skipped step must back the scale off"
     assert r0[-1]["telemetry"]["skipped_steps"].item() == 2

@@ -1,0 +1,95 @@
+"""``amax_history``: TransformerEngine's delayed scaling, applied to the loss scale.
+
+Rule (TransformerEngine ``transformer_engine/common/recipe/__init__.py`` ``DelayedScaling``
+— ``margin``, ``amax_history_len`` (1024), ``amax_compute_algo`` ``"max"`` | ``"most_recent"`` —
+and its amax/scale update ``transformer_engine/common/recipe/delayed_scaling.cu``
+``amax_and_scale_update_impl::kernel``: roll the history, amax = max of it or its latest entry,
+``scale = (fp8_max * 2^-margin) / amax`` if amax is finite and > 0, else the scale is kept).
+Here the tensor is the whole set of unscaled gradients and the format is the gradients' (fp16
+by default: ``format_max`` = 65504). Each :meth:`update`, with ``G`` the abs-max of the step's
+unscaled gradients:
+
+* finite step: append ``G`` to the history (a ring of the last ``history_len`` finite steps,
+  oldest dropped; zeros before it fills, as TE's); ``A`` = max of the history (``algo="max"``) or
+  ``G`` (``"most_recent"``); ``S <- (format_max * 2^-margin) / A`` in float32 — kept when
+  ``A == 0`` (TE) or when the quotient is not finite (``A`` subnormal; as torch rejects a
+  non-finite grown scale);
+* non-finite step: skipped (base class), ``S <- S * backoff_factor``, ``G`` not recorded (TE
+  keeps S on a non-finite amax; a loss scale must back off so the next step can succeed);
+* before the first finite step S = ``init_scale``.
+
+``growth_factor`` and ``growth_interval`` are accepted as GradScaler's keywords but unused: S
+jumps straight to the history's value. Weakness, kept visible: one outlier ``G`` lowers S for
+``history_len`` steps with ``algo="max"`` (1024 by default), and with ``most_recent`` S follows
+every step's noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strategies import validation as v
+from strategies.base import Strategy
+from strategies.max_ema import FP16_MAX
+from strategies.params import ScalerParams, hp
+from strategies.registry import register_strategy
+from strategies.state import State
+from strategies.stats import GradStats
+
+AMAX_ALGOS = ("max", "most_recent")
+
+
+def amax_history_update_(
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    found_inf: torch.Tensor,
+    grad_absmax: torch.Tensor,
+    scaled_max: float,
+    backoff_factor: float,
+    most_recent: bool,
+) -> None:
+    """The delayed-scaling rule, in place on the device (no host sync).
+
+    Args:
+        scale: float32 S; history: float32 ``[L]``, newest last; found_inf: float32 flag;
+        grad_absmax: float32 abs-max of the unscaled gradients; scaled_max: ``format_max *
+        2^-margin``; most_recent: ``algo == "most_recent"``.
+    """
+    found = found_inf > 0
+    rolled = torch.cat([history[1:], grad_absmax.reshape(1).to(history.dtype)])
+    hist = torch.where(found, history, rolled)
+    amax = hist[-1] if most_recent else hist.amax()
+    target = torch.tensor(scaled_max, dtype=torch.float32, device=scale.device) / amax
+    ok = ~found & (amax > 0) & torch.isfinite(target)
+    backed = (scale.double() * backoff_factor).float()
+    scale.copy_(torch.where(found, backed, torch.where(ok, target, scale)))
+    history.copy_(hist)
+
+
+@dataclass
+class AmaxHistoryParams(ScalerParams):
+    history_len: int = hp(1024, v.integer(1), "TransformerEngine DelayedScaling (amax_history_len)",
+                          "finite steps whose gradient abs-max is remembered")
+    algo: str = hp("max", v.choice(*AMAX_ALGOS), "TransformerEngine DelayedScaling (amax_compute_algo)",
+                   "amax from the history: max | most_recent")
+    margin: float = hp(0.0, v.between(0.0, 64.0, "[)"), "TransformerEngine DelayedScaling",
+                       "S = format_max / amax / 2^margin")
+    format_max: float = hp(FP16_MAX, v.finite_positive, "IEEE fp16", "largest finite value of the gradient format")
+
+
+@register_strategy("amax_history")
+class AmaxHistoryStrategy(Strategy):
+    """TransformerEngine delayed scaling on the loss scale: S = format_max / amax / 2^margin with
+    amax from the last ``history_len`` finite steps' gradient abs-max (module docstring)."""
+
+    Params = AmaxHistoryParams
+    state_spec = (State("amax_history", torch.float32, 0.0, low=0.0, length="history_len"),)
+    needs_stats = True
+
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        assert stats is not None
+        p, s = self.params, self.state
+        amax_history_update_(s.scale, s.amax_history, found_inf, stats.absmax.amax(),
+                             p.format_max * 2.0 ** -p.margin, p.backoff_factor, p.algo == "most_recent")

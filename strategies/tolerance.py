@@ -1,0 +1,119 @@
+"""``tolerance``: fairseq's dynamic loss scaler — back off only when overflows are frequent enough.
+
+Rule (fairseq ``fairseq/optim/dynamic_loss_scaler.py``, ``DynamicLossScaler.check_overflow`` on
+an overflow and ``DynamicLossScaler.update`` after a clean step), in GradScaler's keywords
+(``growth_interval`` is fairseq's ``scale_window``; ``growth_factor`` its ``scale_factor``;
+``backoff_factor`` = 1 / ``scale_factor``). With ``r`` the steps since the last rescale
+(counting this one; fairseq ``_iter - _last_rescale_iter``), ``o`` the overflows since the last
+backoff and ``t`` the clean steps since the last overflow (``growth_tracker``):
+
+* overflow: ``o <- o + 1``, ``t <- 0``; if ``o / r >= tolerance``: ``S <- max(S * backoff_factor,
+  threshold)`` (no floor when ``threshold`` is null), ``o <- 0``, ``r`` restarts;
+* clean step: if ``t + 1 == growth_interval`` (fairseq: ``(_iter - _last_overflow_iter) %
+  scale_window == 0``): ``S <- S * growth_factor`` (kept if not finite), ``t <- 0``, ``r`` restarts
+  (``o`` is *not* reset, as in fairseq); else ``t <- t + 1``;
+* ``min_scale`` with ``on_min_scale`` (:mod:`strategies.floor`): ``raise`` follows fairseq's
+  ``min_loss_scale``: an overflow after which S <= ``min_scale`` restores the previous S and
+  records a fault (``ScaleFloorError`` at the next ``step()``); ``clamp`` keeps S >= min_scale.
+
+``tolerance = 0`` (fairseq's default) backs off on every overflow, i.e. torch's rule. Defaults are
+fairseq's: init 2^15, scale_window 2000, tolerance 0, threshold None, min_loss_scale 1e-4 (here
+a clamp unless ``on_min_scale="raise"``). fairseq's guard ``iter_since_rescale == 0 -> 1000`` is
+unreachable in its own loop (``r >= 1`` always) and is not reproduced.
+
+Weakness, kept visible: with ``tolerance > 0`` a run that overflows now and then keeps its scale
+and skips those steps for good; one outlier overflow costs one skipped step and (at tolerance 0)
+halves S until ``growth_interval`` clean steps pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from strategies import validation as v
+from strategies.base import Strategy
+from strategies.floor import FLOOR_FAULT, FloorParams, record_fault_
+from strategies.params import ScalerParams, hp
+from strategies.registry import register_strategy
+from strategies.state import State
+from strategies.stats import GradStats
+
+
+def tolerance_update_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    since_rescale: torch.Tensor,
+    overflows: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    tolerance: float,
+    threshold: float | None,
+    fault: torch.Tensor | None = None,
+    min_scale: float | None = None,
+    step: int = 0,
+) -> None:
+    """fairseq's rule, in place on the device (no host sync); see the module docstring.
+
+    Args:
+        scale: float32 S; growth_tracker: int32 t; since_rescale: int64 r (>= 1); overflows:
+            int64 o; found_inf: float32, > 0 on a non-finite step.
+        fault: int64 fault flag (``on_min_scale="raise"``) or None (clamp: the base clamps);
+            with it, an overflow leaving S <= ``min_scale`` restores S and records ``step``.
+    """
+    found = found_inf > 0
+    o1 = overflows + 1
+    back = found & (o1.double() / since_rescale.double() >= tolerance)
+    wide = scale.double()  # S * factor in double, rounded once (as native / torch)
+    backed = (wide * backoff_factor).float()
+    if threshold is not None:
+        backed = torch.clamp(backed, min=threshold)
+    t1 = growth_tracker + 1
+    grow = ~found & (t1 == growth_interval)
+    grown = (wide * growth_factor).float()
+    new = torch.where(back, backed, scale)
+    new = torch.where(grow & torch.isfinite(grown), grown, new)
+    if fault is not None and min_scale is not None:
+        hit = found & (new <= min_scale)
+        record_fault_(fault, hit, step)
+        new = torch.where(hit, scale, new)
+    rescaled = back | grow
+    scale.copy_(new)
+    growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(t1), t1))
+    since_rescale.copy_(torch.where(rescaled, torch.ones_like(since_rescale), since_rescale + 1))
+    overflows.copy_(torch.where(back, torch.zeros_like(o1), torch.where(found, o1, overflows)))
+
+
+@dataclass
+class ToleranceParams(FloorParams, ScalerParams):
+    init_scale: float = hp(2.0**15, v.finite_positive, "fairseq DynamicLossScaler")
+    growth_interval: int = hp(2000, v.integer(1), "fairseq DynamicLossScaler (scale_window)")
+    min_scale: Optional[float] = hp(1e-4, v.optional(v.finite_positive), "fairseq DynamicLossScaler (min_loss_scale)")
+    tolerance: float = hp(0.0, v.between(0.0, 1.0, "[]"), "fairseq DynamicLossScaler",
+                          "back off when overflows / steps since the last rescale reach this fraction")
+    threshold: Optional[float] = hp(None, v.optional(v.finite_positive), "fairseq DynamicLossScaler",
+                                    "floor of the backed-off scale (null: none)")
+
+
+@register_strategy("tolerance")
+class ToleranceStrategy(Strategy):
+    """fairseq's ``DynamicLossScaler``: back off only when the overflow fraction since the last
+    rescale reaches ``tolerance``, floor the backed-off S at ``threshold`` (module docstring)."""
+
+    Params = ToleranceParams
+    state_spec = (
+        State("since_rescale", torch.int64, 1, low=1),
+        State("overflows_since_rescale", torch.int64, 0, low=0),
+        FLOOR_FAULT,
+    )
+
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        p, s = self.params, self.state
+        fault = s.fault if p.on_min_scale == "raise" else None
+        tolerance_update_(s.scale, s.growth_tracker, s.since_rescale, s.overflows_since_rescale, found_inf,
+                          p.growth_factor, p.backoff_factor, p.growth_interval, p.tolerance, p.threshold,
+                          fault, p.min_scale, self.updates + 1)

@@ -1,0 +1,69 @@
+"""Every YAML in ``conf/strategy/`` fits its rule's schema and builds; the industry presets carry
+their sources' numbers (cited in each file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import strategies
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
+YAMLS = sorted(CONF.glob("*.yaml"))
+
+
+def keywords(path: Path) -> tuple[str, dict]:
+    cfg = OmegaConf.load(path)
+    assert cfg._target_ == "strategies.create"
+    return cfg.name, {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("_target_", "name")}
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[p.stem for p in YAMLS])
+def test_every_yaml_merges_into_its_schema_and_builds(path: Path) -> None:
+    name, kw = keywords(path)
+    merged = OmegaConf.merge(OmegaConf.structured(strategies.get(name).Params), kw)
+    s = strategies.create(name, **kw)
+    assert s.name == name
+    for key, value in kw.items():
+        assert merged[key] == value, key
+        assert value is None or getattr(s.params, key) == value, key  # null may resolve to a rule default
+
+
+def test_a_bad_value_in_a_preset_is_a_one_line_error() -> None:
+    name, kw = keywords(CONF / "deepspeed.yaml")
+    with pytest.raises(ValueError) as e:
+        strategies.create(name, **{**kw, "min_scale": None})
+    assert str(e.value) == "min_scale must be a number when on_min_scale='raise', got None"
+
+
+PRESETS = {
+    "megatron": ("native", dict(init_scale=2.0**32, growth_interval=1000, hysteresis=2, hysteresis_refill="growth",
+                                min_scale=1.0, on_min_scale="clamp")),
+    "deepspeed": ("native", dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2, hysteresis_refill="growth",
+                                 min_scale=1.0, on_min_scale="raise")),
+    "deepspeed_consecutive": ("native", dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2,
+                                             hysteresis_refill="clean_step", min_scale=1.0, on_min_scale="raise")),
+    "fairseq": ("tolerance", dict(init_scale=128.0, growth_interval=2**14, tolerance=0.0, min_scale=1e-4,
+                                  on_min_scale="raise")),
+    "te_delayed": ("amax_history", dict(history_len=1024, algo="max", margin=0.0)),
+    "max_ema_capped": ("max_ema", dict(cap_ema_on_overflow=True)),
+    "layerwise_capped": ("layerwise", dict(cap_ema_on_overflow=True)),
+    "static": ("static", dict(init_scale=1024.0)),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_numbers(preset: str) -> None:
+    name, kw = keywords(CONF / f"{preset}.yaml")
+    rule, expected = PRESETS[preset]
+    params = strategies.create(name, **kw).params
+    assert name == rule
+    assert {k: getattr(params, k) for k in expected} == expected
+    if name in ("native", "tolerance"):
+        assert (params.growth_factor, params.backoff_factor) == (2.0, 0.5)
+
+
+def test_every_rule_has_a_yaml() -> None:
+    assert set(strategies.available()) <= {keywords(p)[0] for p in YAMLS}
