@@ -67,19 +67,9 @@ class ProbeRule:
 
 
 def ratio_probe_(
-    scale: torch.Tensor,
-    log_ratio_ema: torch.Tensor,
-    ema_steps: torch.Tensor,
-    last_ratio: torch.Tensor,
-    found_inf: torch.Tensor,
-    ref_sumsq: torch.Tensor,
-    mp_sumsq: torch.Tensor,
-    live: torch.Tensor | None,
-    growth_factor: float,
-    backoff_factor: float,
-    threshold_high: float,
-    threshold_low: float,
-    ema_decay: float,
+    scale: torch.Tensor, log_ratio_ema: torch.Tensor, ema_steps: torch.Tensor, last_ratio: torch.Tensor,
+    found_inf: torch.Tensor, ref_sumsq: torch.Tensor, mp_sumsq: torch.Tensor, live: torch.Tensor | None,
+    growth_factor: float, backoff_factor: float, threshold_high: float, threshold_low: float, ema_decay: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm-ratio probe's decision, on the device (no host sync). Scalar tensors.
 
