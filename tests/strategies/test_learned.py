@@ -142,3 +142,25 @@ def test_invalid_arguments(kwargs, message) -> None:
     with pytest.raises(ValueError) as e:
         strategies.create("learned", **kwargs)
     assert str(e.value) == message
+
+
+def test_an_outlier_at_equilibrium_drops_the_scale_and_the_momentum_overshoots_into_a_skip() -> None:
+    """The pure rule at its fixed point (G = 1, S = T, Adam's v ~ 0), fed an overflow whenever
+    S * G > format_max: one 1.9x outlier (no overflow itself) gives a large normalised step down
+    (m^/sqrt(v^) ~ 0.1 / sqrt(0.001) ~ 3 for a lone large g), and the momentum carries S back up
+    past the headroom: one skip a few steps later. max_ema's EMA would move by 1 %."""
+    p = LearnedParams()
+    S, gt = torch.tensor(32768.0), torch.tensor(1, dtype=torch.int32)
+    state = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int32)] + [torch.zeros(()) for _ in range(4)]
+    log2s, found_at = [], []
+    for k in range(215):
+        G = 1.9 if k == 200 else 1.0
+        found = S.item() * G > p.format_max
+        if found:
+            found_at.append(k)
+        learned_update_(S, gt, *state, torch.tensor(float(found)), torch.tensor(INF if found else G),
+                        torch.tensor(0.0), p)
+        log2s.append(math.log2(S.item()))
+    assert log2s[199] == pytest.approx(15.0, abs=1e-3)  # settled
+    assert log2s[200] < 14.0  # measured 13.65: the outlier's step is > 1 octave
+    assert found_at == [205]  # measured: one skip, five steps after the outlier
