@@ -127,6 +127,24 @@ def test_a_zero_fraction_jump_calibrates_on_the_device_without_a_host_read() -> 
     assert [g["probe_count"] for g in got] == [1, 1, 1, 1, 1]  # the reference runs on the schedule only
 
 
+def test_a_resumed_run_keeps_the_trigger_and_probe_state() -> None:
+    # The previous zero fraction is saved: resumed after a step with no zeros, the next step's
+    # 50 % zeros is a jump in both runs (a fresh z_prev = 1 would hide it); the calibration count
+    # and the ratio EMA carry over, and both runs go on identically.
+    kw = dict(init_scale=4096.0, ema_decay=0.5, probe_interval=1000, ratio_ema_decay=0.5)
+    s = strategies.create("hybrid", **kw)
+    drive(s, [(8.0, 0), (8.0, 0)])
+    sd = s.state_dict()
+    assert sd["extra"]["zero_frac_prev"] == 0.0 and sd["extra"]["calibrations"] == 1
+    s2 = strategies.create("hybrid", **kw)
+    s2.load_state_dict(sd)
+    a, b = drive(s, [(8.0, 5), (8.0, 5)]), drive(s2, [(8.0, 5), (8.0, 5)])
+    timing = ("probe_time_s", "probe_last_time_s")  # host wall time: not state
+    assert [{k: x for k, x in t.items() if k not in timing} for t in a] == \
+        [{k: x for k, x in t.items() if k not in timing} for t in b]
+    assert [t["zero_jumped"] for t in b] == [1.0, 0.0] and b[-1]["calibrations"] == 2
+
+
 def fp16_run(s, steps, *, closure, multiplier=lambda step: 1.0, poison_at=(), seed=0):
     model = mlp(seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
