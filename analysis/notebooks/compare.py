@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -17,7 +19,7 @@
 # Interactive companion of `scalelab-report`: loads one sweep (local run directories, or a W&B
 # group), then shows the run statuses, the per-strategy interval estimates, each strategy
 # against `native`, the tiered ranking and the figures. Every number comes from
-# `analysis.load` / `analysis.stats` / `analysis.figures`, the same code as the report.
+# `analysis.load` / `analysis.tables` / `analysis.figures`, the same code as the report.
 #
 # **Choose the runs** in the next cell, or without editing anything through environment
 # variables: `SCALELAB_RUN_DIR` (one or more sweep directories separated by `:`) or
@@ -45,7 +47,7 @@ except ImportError:  # opened from analysis/notebooks/ without installing: use t
 
 from analysis import figures as F
 from analysis.load import load_runs, load_wandb
-from analysis.stats import PRIMARY, compare_to_baseline, rank_strategies, summarize
+from analysis.tables import PRIMARY, compare_to_baseline, rank_strategies, summarize
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 30)
@@ -72,8 +74,8 @@ for problem in rs.problems:
 
 # %% [markdown]
 # ## Interval estimates over seeds
-# Mean and interquartile mean with 95 % percentile-bootstrap intervals (fixed RNG seed). With 3
-# seeds these intervals are narrow by construction and cover the truth only about 3 times in 4.
+# Mean and interquartile mean with 95 % BCa bootstrap intervals (scipy, fixed RNG seed). With 3
+# seeds these intervals are narrow by construction and cover the truth only about 7 times in 10.
 
 # %%
 summary = summarize(rs.runs, n_boot=N_BOOT)

@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 
 from analysis.load import load_runs
-from analysis.report import build_report, main, overall_verdict
-from analysis.stats import compare_to_baseline, rank_strategies, summarize
+from analysis.report import build_report, main
+from analysis.tables import compare_to_baseline, rank_strategies, summarize
+from analysis.verdict import overall_verdict
 from tests.analysis.synth import SweepSpec, write_sweep
 
 

@@ -11,9 +11,9 @@ import pytest
 from scipy import stats as sps
 
 from analysis.load import load_runs
-from analysis.stats import (PRIMARY, bootstrap_ci, compare_to_baseline, iqm, mann_whitney,
-                            prob_improvement, prob_improvement_ci, rank_strategies, summarize,
-                            welch_test)
+from analysis.stats import (bootstrap_ci, iqm, mann_whitney, prob_improvement,
+                            prob_improvement_ci, welch_test)
+from analysis.tables import PRIMARY, compare_to_baseline, rank_strategies, summarize
 from tests.analysis.synth import SweepSpec, write_sweep
 
 
