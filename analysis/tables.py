@@ -190,10 +190,10 @@ def rank_strategies(summary: pd.DataFrame, metric: str = PRIMARY, estimate: str 
         # A strategy with no finite value (every run failed/diverged/incomplete) is not ranked.
         cell["rank"] = pd.array([r if np.isfinite(e) else pd.NA for r, e in
                                  zip(ranks, cell["_est"])], dtype="Int64")
-        cell["tied_with"] = [
-            ", ".join(s for s, r in zip(cell["strategy"], ranks) if r == rank and s != name)
-            for name, rank in zip(cell["strategy"], ranks)
-        ]
+        names = ["?" if pd.isna(s) else str(s) for s in cell["strategy"]]
+        cell["tied_with"] = [", ".join(s for j, (s, r) in enumerate(zip(names, ranks))
+                                       if r == rank and j != i)
+                             for i, rank in enumerate(ranks)]
         out.append(cell[["workload", "precision", "strategy", "rank", "tied_with",
                          "diverged_frac", est, lo, hi]])
     if not out:
