@@ -144,5 +144,5 @@ def _md_cell(text: str) -> str:
 def _inline(text: str) -> str:
     """Escape HTML, then translate `code` and, outside code spans only, **bold**."""
     parts = re.split(r"(`[^`]+`)", html.escape(text))
-    return "".join(f"<code>{p[1:-1]}</code>" if p.startswith("`") and p.endswith("`") and len(p) > 1
+    return "".join(f"<code>{p[1:-1]}</code>" if len(p) > 1 and p[0] == p[-1] == "`"
                    else re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", p) for p in parts)

@@ -33,9 +33,10 @@ from analysis.load import RunLoadError, RunSet, load_runs
 from analysis.runset import STATUSES
 from analysis.stats import N_BOOT, SEED
 from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
-                             compare_to_baseline, rank_strategies, summarize)
-from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct
-from analysis.verdict import cell_verdict, evidence_phrase, overall_verdict
+                             compare_to_baseline, compare_to_reference, rank_strategies,
+                             summarize)
+from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct
+from analysis.verdict import cell_verdict, overall_verdict, phrase
 
 METRIC_BY_COL = {m.column: m for m in METRICS}
 
@@ -67,21 +68,29 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
     return cols, rows
 
 
+PAIRED_CAPTION = (
+    "Paired by seed (runs of one seed share init and data order): Δ = strategy − {b} per seed, "
+    "mean with its 95% bootstrap CI (negative is better); P(lower) = fraction of seeds where "
+    "the strategy is lower, with a Clopper–Pearson CI; for the final eval loss a diverged run "
+    "loses to any finished one. Reading: see Method. Unpaired statistics: comparisons.csv.")
+
+
 def _comparison_rows(comps: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
-    cols = ["workload", "precision", "strategy", "metric", "mean (native)", "Δ mean",
-            "P(X better) [95% CI]", "Welch p", "Mann–Whitney p", "reading"]
+    cols = ["workload", "precision", "strategy", "metric", "mean (baseline)", "seeds",
+            "Δ per seed [95% CI]", "P(lower) [95% CI]", "paired t p (Holm)", "Wilcoxon p",
+            "reading"]
     rows = []
     for _, r in comps.iterrows():
-        pct = is_pct(r["metric"])
         m = METRIC_BY_COL[r["metric"]].label if r["metric"] in METRIC_BY_COL else r["metric"]
-        f = (lambda v: "–" if not np.isfinite(v) else f"{100 * v:.2f}%") if pct else fmt
+        f = (lambda v: pct(v, 2)) if is_pct(r["metric"]) else fmt  # noqa: E731
         rows.append([
             code(r["workload"]), code(r["precision"]), code(r["strategy"]), m,
-            f"{f(r['mean'])} ({f(r['base_mean'])})",
-            ("+" if np.isfinite(r["diff"]) and r["diff"] > 0 else "") + f(r["diff"]),
-            fmt_ci(r["poi"], r["poi_lo"], r["poi_hi"], prob_=True), fmt_p(r["welch_p"]), fmt_p(r["mwu_p"]),
-            evidence_phrase(r["poi"], r["poi_lo"], r["poi_hi"], r["welch_p"], r["mwu_p"])
-            .replace("native", f"`{BASELINE}`"),
+            f"{f(r['mean'])} ({f(r['base_mean'])})", str(int(r["n_pairs"])),
+            fmt_ci(r["paired_diff"], r["paired_diff_lo"], r["paired_diff_hi"],
+                   pct_=is_pct(r["metric"])),
+            fmt_ci(r["p_better"], r["p_better_lo"], r["p_better_hi"], prob_=True),
+            fmt_p(r["paired_t_p_holm"]), fmt_p(r["wilcoxon_p"]),
+            phrase(r["reading"], f"`{r['baseline']}`"),
         ])
     return cols, rows
 
@@ -134,7 +143,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     for old in fig_dir.glob("*.png"):  # a regenerated report never shows stale figures
         old.unlink()
     summary = summarize(rs.runs, n_boot=n_boot)
-    comps = compare_to_baseline(rs.runs, n_boot=n_boot)
+    comps = pd.concat([compare_to_baseline(rs.runs, n_boot=n_boot),
+                       compare_to_reference(rs.runs, n_boot=n_boot)], ignore_index=True)
     ranks = rank_strategies(summary)
     bench_df, bench_note = load_bench(bench)
 
@@ -164,15 +174,18 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
         "statistics use completed runs only. Lower is better in every column."))
 
     doc.h(1, f"Each strategy against {BASELINE}")
-    if comps.empty:
+    native = comps[comps["baseline"] == BASELINE]
+    if native.empty:
         doc.p(f"No workload×precision cell has both `{BASELINE}` and another strategy.")
     else:
-        cols, rows = _comparison_rows(comps)
-        doc.table(cols, rows, caption=(
-            "P(X better): probability that a run of the strategy has a lower value than a run "
-            f"of `{BASELINE}` (0.5 = no difference), with a 95% bootstrap CI; for the final eval "
-            "loss a diverged run counts as worse than any finished run. Welch's t-test and "
-            "Mann–Whitney U are two-sided."))
+        cols, rows = _comparison_rows(native)
+        doc.table(cols, rows, caption=PAIRED_CAPTION.format(b=f"`{BASELINE}`"))
+    ref = comps[comps["baseline"] == REFERENCE_PRECISION]
+    if not ref.empty:
+        doc.h(1, "Each strategy against the fp32 run of the same seed")
+        cols, rows = _comparison_rows(ref)
+        doc.table(cols, rows, caption=PAIRED_CAPTION.format(
+            b="the fp32 reference (strategy `none` at fp32, same workload and seed)"))
 
     if bench_df is not None:
         doc.h(1, "Strategy overhead by model size (scalelab-bench)")
@@ -217,16 +230,21 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
 
     doc.h(1, "Method")
     doc.bullets([
-        "Unit of comparison: workload (`model/data/regime`) × precision; one value per run (seed).",
+        "Unit of comparison: workload (`model/data/regime`) × precision; one value per run "
+        "(seed).",
         f"Intervals: 95% bootstrap over seeds (scipy.stats.bootstrap, BCa for means and IQMs, "
         f"percentile for probabilities), {n_boot} resamples, RNG seed {SEED} (reproducible). "
         "No bootstrap fixes few seeds: a nominal 95% interval of a mean covers the truth about "
         "70% of the time with 3 seeds, about 93% with 20.",
         "IQM: mean of the middle 50% of runs (scipy `trim_mean(x, 0.25)`); equals the mean below "
         "4 runs.",
-        f"Comparisons with `{BASELINE}`: Welch's unequal-variance t-test; two-sided Mann–Whitney U "
-        "(exact without ties; ≥ 0.1 for 3 vs 3); probability of improvement (rliable) with a "
-        "bootstrap CI resampling each side independently.",
+        f"Comparisons with `{BASELINE}` and with the fp32 reference are paired by seed: mean "
+        "per-seed difference with a bootstrap CI over seeds, paired t-test (Holm-adjusted over "
+        "the strategies of one comparison), exact Wilcoxon signed-rank test, fraction of seeds "
+        "where the strategy is lower with a Clopper–Pearson CI. *Clearly* better/worse: Holm "
+        "t p < 0.05, Wilcoxon p < 0.05 or, with ≤ 5 seeds (min p = 2/2^n ≥ 0.0625), every seed "
+        "agreeing, and the CI of the difference excluding 0; *too few seeds*: only the CI "
+        "excludes 0. Unpaired Welch, Mann–Whitney and P(improvement) are in comparisons.csv.",
         "Ranking: by fraction of diverged runs, then mean final eval loss; tied while the 95% "
         "intervals overlap the tier leader's.",
         "Metrics: " + "; ".join(f"**{m.label}** — {m.description}" for m in METRICS) + ".",

@@ -30,8 +30,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from experiments.schema import (EVAL_FIELDS, FIDELITY_FIELDS, KIND_EVAL, KIND_FIDELITY, SUMMARY_NAME,
-                                KIND_TRAIN, SUMMARY_FIELDS, TRAIN_FIELDS, Field, coerce)
+from experiments.schema import (EVAL_FIELDS, FIDELITY_FIELDS, KIND_EVAL, KIND_FIDELITY,
+                                KIND_TRAIN, SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, Field,
+                                coerce)
 
 #: Statuses every report table shows (others a writer used are appended after them).
 STATUSES = ("completed", "diverged", "failed", "incomplete")

@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import stats as sps
 
-#: Default bootstrap resamples and seed (fixed: a report regenerated from the same runs is identical).
+#: Default bootstrap resamples and seed (fixed: a report regenerated from the same runs is
+#: identical).
 N_BOOT = 2000
 SEED = 0
 LEVEL = 0.95

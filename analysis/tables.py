@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from analysis.paired import PAIRED_COLUMNS, holm, paired_stats, reading
 from analysis.runset import STATUSES
 from analysis.stats import (LEVEL, N_BOOT, SEED, bootstrap_ci, iqm, mann_whitney,
                             prob_improvement, prob_improvement_ci, welch_test)
@@ -113,9 +114,9 @@ def summarize(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS, *, n_boot
     return pd.DataFrame(rows)
 
 
-COMPARE_COLUMNS = ["workload", "precision", "strategy", "baseline", "metric", "n", "n_base", "mean",
-                   "base_mean", "diff", "welch_t", "welch_p", "mwu_u", "mwu_p", "poi", "poi_lo",
-                   "poi_hi"]
+COMPARE_COLUMNS = ["workload", "precision", "strategy", "baseline", "metric", *PAIRED_COLUMNS,
+                   "reading", "n", "n_base", "mean", "base_mean", "diff", "welch_t", "welch_p",
+                   "mwu_u", "mwu_p", "poi", "poi_lo", "poi_hi"]
 
 
 def compare_to_baseline(runs: pd.DataFrame, baseline: str = BASELINE,
@@ -123,38 +124,88 @@ def compare_to_baseline(runs: pd.DataFrame, baseline: str = BASELINE,
                         level: float = LEVEL, seed: int = SEED) -> pd.DataFrame:
     """Every non-baseline strategy against ``baseline`` within each workload × precision.
 
-    One row per (workload, precision, strategy, metric): ``n``/``n_base`` (values used by the
-    rank statistics), means and their difference ``diff = mean - base_mean`` (negative is
-    better), Welch ``t``/``welch_p``, Mann–Whitney ``mwu_u``/``mwu_p``, and probability of
-    improvement ``poi`` with its bootstrap interval. Workload×precision cells without the
-    baseline produce no rows.
+    One row per (workload, precision, strategy, metric). Primary, paired by seed
+    (:mod:`analysis.paired`): ``n_pairs``, the mean per-seed difference ``paired_diff`` (negative
+    is better) with its interval, paired-t (raw and Holm-adjusted) and Wilcoxon p-values,
+    ``p_better`` with its interval, and the ``reading``. Secondary, unpaired: ``n``/``n_base``
+    (values used by the rank statistics), means and ``diff = mean - base_mean``, Welch
+    ``t``/``welch_p``, Mann–Whitney ``mwu_u``/``mwu_p``, probability of improvement ``poi`` with
+    its bootstrap interval. Workload×precision cells without the baseline produce no rows.
     """
-    rows = []
+    pairs = []
     for (workload, precision), cell in identified(runs).groupby(CELL_KEYS, sort=True):
         base = cell[cell["strategy"] == baseline]
-        if base.empty:
-            continue
-        for strategy, group in cell.groupby("strategy", sort=True):
-            if strategy == baseline:
-                continue
-            for m in metrics:
-                x_mean, y_mean = metric_values(group, m.column), metric_values(base, m.column)
-                x_rank = metric_values(group, m.column, for_ranks=True)
-                y_rank = metric_values(base, m.column, for_ranks=True)
-                t, p_t = welch_test(x_mean, y_mean)
-                u, p_u = mann_whitney(x_rank, y_rank)
-                lo, hi = prob_improvement_ci(x_rank, y_rank, n_boot=n_boot, level=level,
-                                             seed=seed)
-                mean_x, mean_y = _mean(x_mean), _mean(y_mean)
-                rows.append({
-                    "workload": workload, "precision": precision, "strategy": strategy,
-                    "baseline": baseline, "metric": m.column, "n": int(x_rank.size),
-                    "n_base": int(y_rank.size), "mean": mean_x, "base_mean": mean_y,
-                    "diff": mean_x - mean_y, "welch_t": t, "welch_p": p_t, "mwu_u": u,
-                    "mwu_p": p_u, "poi": prob_improvement(x_rank, y_rank), "poi_lo": lo,
-                    "poi_hi": hi,
-                })
-    return pd.DataFrame(rows, columns=COMPARE_COLUMNS)
+        pairs += [((workload, precision, strategy), group, base)
+                  for strategy, group in cell.groupby("strategy", sort=True)
+                  if strategy != baseline and not base.empty]
+    return _compare_all(pairs, baseline, metrics, n_boot=n_boot, level=level, seed=seed)
+
+
+def compare_to_reference(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS[:1], *,
+                         n_boot: int = N_BOOT, level: float = LEVEL, seed: int = SEED
+                         ) -> pd.DataFrame:
+    """Every strategy at a reduced precision against the fp32 reference of the same workload
+    (strategy ``none`` at ``fp32``, paired by seed): the columns of :func:`compare_to_baseline`
+    with ``baseline`` = ``"fp32"``; by default for the primary metric only (the loss gap)."""
+    pairs = []
+    for workload, wl in identified(runs).groupby("workload", sort=True):
+        ref = wl[(wl["precision"] == REFERENCE_PRECISION) & (wl["strategy"] == "none")]
+        low = wl[wl["precision"] != REFERENCE_PRECISION]
+        pairs += [((workload, precision, strategy), group, ref) for (precision, strategy), group
+                  in low.groupby(["precision", "strategy"], sort=True) if not ref.empty]
+    return _compare_all(pairs, REFERENCE_PRECISION, metrics, n_boot=n_boot, level=level,
+                        seed=seed)
+
+
+def _by_seed(group: pd.DataFrame, column: str) -> pd.Series:
+    """One value per seed for pairing: completed runs' finite values, ``+inf`` for a diverged
+    run on the primary metric, the mean where a seed ran more than once."""
+    vals = pd.to_numeric(group[column], errors="coerce") if column in group else \
+        pd.Series(np.nan, index=group.index)
+    done = (group["status"] == "completed") & np.isfinite(vals)
+    vals = vals.where(done, np.inf if column == PRIMARY else np.nan)
+    vals = vals.where(done | (group["status"] == "diverged"), np.nan)
+    with np.errstate(all="ignore"):
+        return vals.groupby(group["seed"]).mean().dropna()
+
+
+def _compare(group: pd.DataFrame, base: pd.DataFrame, column: str, *, n_boot: int,
+             level: float, seed: int) -> dict[str, object]:
+    """Paired (by seed) and unpaired statistics of one strategy's runs against a baseline's."""
+    x, y = _by_seed(group, column), _by_seed(base, column)
+    seeds = x.index.intersection(y.index)
+    out: dict[str, object] = paired_stats(x[seeds].to_numpy(), y[seeds].to_numpy(),
+                                          n_boot=n_boot, level=level, seed=seed)
+    x_mean, y_mean = metric_values(group, column), metric_values(base, column)
+    x_rank = metric_values(group, column, for_ranks=True)
+    y_rank = metric_values(base, column, for_ranks=True)
+    out["welch_t"], out["welch_p"] = welch_test(x_mean, y_mean)
+    out["mwu_u"], out["mwu_p"] = mann_whitney(x_rank, y_rank)
+    out["poi_lo"], out["poi_hi"] = prob_improvement_ci(x_rank, y_rank, n_boot=n_boot,
+                                                       level=level, seed=seed)
+    out["poi"] = prob_improvement(x_rank, y_rank)
+    out["mean"], out["base_mean"] = _mean(x_mean), _mean(y_mean)
+    out["diff"] = out["mean"] - out["base_mean"]
+    out["n"], out["n_base"] = int(x_rank.size), int(y_rank.size)
+    return out
+
+
+def _compare_all(pairs: list[tuple[tuple[str, str, str], pd.DataFrame, pd.DataFrame]],
+                 baseline: str, metrics: Sequence[Metric], **kw: object) -> pd.DataFrame:
+    """The comparison table for ``((workload, precision, strategy), runs, baseline runs)``
+    pairs, with Holm's adjustment over each family (the strategies compared with one baseline
+    on one workload, precision and metric) and each row's reading."""
+    rows = [dict(workload=w, precision=p, strategy=s, baseline=baseline, metric=m.column,
+                 **_compare(group, base, m.column, **kw))
+            for (w, p, s), group, base in pairs for m in metrics]
+    df = pd.DataFrame(rows, columns=COMPARE_COLUMNS)
+    if df.empty:
+        return df
+    family = ["workload", "precision", "baseline", "metric"]
+    df["paired_t_p_holm"] = df.groupby(family, sort=False)["paired_t_p"].transform(
+        lambda p: holm(p.to_numpy(dtype=float)))
+    df["reading"] = [reading(r) for r in df.to_dict("records")]
+    return df
 
 
 def rank_strategies(summary: pd.DataFrame, metric: str = PRIMARY, estimate: str = "mean"
@@ -166,8 +217,8 @@ def rank_strategies(summary: pd.DataFrame, metric: str = PRIMARY, estimate: str 
     Walking down that order, a strategy shares the rank of the current tier's leader when it
     has the same divergence fraction and its interval overlaps the leader's; otherwise it
     starts a new tier whose rank is its 1-based position (competition ranking: 1, 1, 3).
-    Strategies with no finite value get no rank (``<NA>``) and sort last. Returns the summary's key columns plus
-    ``rank``, ``tied_with`` (other members of the tier) and ``diverged_frac``.
+    Strategies with no finite value get no rank (``<NA>``) and sort last. Returns the summary's
+    key columns plus ``rank``, ``tied_with`` (other members of the tier) and ``diverged_frac``.
     """
     est, lo, hi = f"{metric}_{estimate}", f"{metric}_{estimate}_lo", f"{metric}_{estimate}_hi"
     out = []

@@ -3,36 +3,46 @@ in words the numbers support (see README, "Read the report")."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pandas as pd
 
+from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                             NOT_COMPARABLE, WORSE_FEW, min_wilcoxon_p)
 from analysis.tables import BASELINE, PRIMARY, REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci, fmt_p, is_pct, pct
 
 
-def evidence_phrase(poi: float, lo: float, hi: float, p_welch: float, p_mwu: float) -> str:
-    """Confidence language for "X vs native" that the numbers support.
+PHRASES = {
+    CLEARLY_BETTER: "clearly better than {b}",
+    CLEARLY_WORSE: "clearly worse than {b}",
+    BETTER_FEW: "better than {b} in these seeds, but too few seeds for a significant test",
+    WORSE_FEW: "worse than {b} in these seeds, but too few seeds for a significant test",
+    NO_DIFFERENCE: "no detectable difference from {b}",
+    NOT_COMPARABLE: "not comparable (too few finished runs)",
+}
 
-    * interval of P(improvement) above 0.5 and a test with p < 0.05 → "clearly better";
-    * interval above 0.5 but no test below 0.05 → "better in every resample of these seeds,
-      but too few seeds for a significant test";
-    * interval straddles 0.5 → "no detectable difference";
-    * interval below 0.5 (mirror cases) → "clearly worse" / "worse ... too few seeds".
-    """
-    if not np.isfinite(poi):
-        return "not comparable (too few finished runs)"
-    sig = any(np.isfinite(p) and p < 0.05 for p in (p_welch, p_mwu))
-    if np.isfinite(lo) and lo > 0.5:
-        return "clearly better than native" if sig else \
-            "better than native in these seeds, but too few seeds for a significant test"
-    if np.isfinite(hi) and hi < 0.5:
-        return "clearly worse than native" if sig else \
-            "worse than native in these seeds, but too few seeds for a significant test"
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        return "not testable (fewer than 2 finished runs on a side)"
-    return "no detectable difference from native"
+
+def phrase(reading: str, baseline: str = BASELINE) -> str:
+    """The sentence for a paired ``reading`` (:func:`analysis.paired.reading`) against
+    ``baseline``."""
+    return PHRASES.get(reading, reading).format(b=baseline)
+
+
+def comparison(comps: pd.DataFrame, workload: str, precision: str, strategy: str,
+               metric: str = PRIMARY, baseline: str = BASELINE) -> pd.Series | None:
+    """The row of ``comps`` for one comparison, or ``None``."""
+    c = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
+              & (comps["strategy"] == strategy) & (comps["metric"] == metric)
+              & (comps["baseline"] == baseline)]
+    return None if c.empty else c.iloc[0]
+
+
+def evidence(c: pd.Series) -> str:
+    """``n seeds paired: Δ = … [lo, hi], P(lower) = …, t p (Holm) = …, Wilcoxon p = …``."""
+    return (f"{int(c.n_pairs)} paired seeds: Δ = "
+            f"{fmt_ci(c.paired_diff, c.paired_diff_lo, c.paired_diff_hi)}, P(lower) = "
+            f"{fmt_ci(c.p_better, c.p_better_lo, c.p_better_hi, prob_=True)}, paired t p "
+            f"(Holm) = {fmt_p(c.paired_t_p_holm)}, Wilcoxon p = {fmt_p(c.wilcoxon_p)}")
 
 
 def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd.DataFrame,
@@ -56,40 +66,31 @@ def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd
         parts.append(f"{where}: {names} are tied for the lowest final eval loss (their 95% "
                      f"intervals overlap; best mean {loss}).")
     for s in top:
-        if s == BASELINE:
-            continue
-        c = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
-                  & (comps["strategy"] == s) & (comps["metric"] == PRIMARY)]
-        if c.empty:
-            continue
-        c = c.iloc[0]
-        parts.append(f"{code(s)} vs `{BASELINE}`: {evidence_phrase(c.poi, c.poi_lo, c.poi_hi, c.welch_p, c.mwu_p)} "
-                     f"(P(lower loss) = {fmt_ci(c.poi, c.poi_lo, c.poi_hi, prob_=True)}, Welch p = "
-                     f"{fmt_p(c.welch_p)}, Mann–Whitney p = {fmt_p(c.mwu_p)}).")
+        c = comparison(comps, workload, precision, s)
+        if s != BASELINE and c is not None:
+            parts.append(f"{code(s)} vs `{BASELINE}`: {phrase(c.reading)} ({evidence(c)}).")
+        r = comparison(comps, workload, precision, s, baseline=REFERENCE_PRECISION)
+        if r is not None and r.reading != NOT_COMPARABLE:
+            parts.append(f"{code(s)} vs the fp32 run of the same seed: "
+                         f"{phrase(r.reading, REFERENCE_PRECISION)} ({evidence(r)}).")
     worse = []
     for s in ranked["strategy"]:
-        if s in top or s == BASELINE:
-            continue
-        c = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
-                  & (comps["strategy"] == s) & (comps["metric"] == PRIMARY)]
-        if not c.empty and np.isfinite(c.iloc[0].poi_hi) and c.iloc[0].poi_hi < 0.5:
-            c = c.iloc[0]
-            worse.append(f"{code(s)} ({fmt(c['mean'])} vs {fmt(c.base_mean)}; P(lower loss) = "
-                         f"{fmt_ci(c.poi, c.poi_lo, c.poi_hi, prob_=True)})")
+        c = comparison(comps, workload, precision, s)
+        if s not in top and c is not None and c.reading in (CLEARLY_WORSE, WORSE_FEW):
+            worse.append(f"{code(s)} ({phrase(c.reading)}; {evidence(c)})")
     if worse:
-        parts.append(f"Worse than `{BASELINE}` on final eval loss in every resample: "
-                     + ", ".join(worse) + ".")
+        parts.append(f"Worse than `{BASELINE}` on final eval loss: " + ", ".join(worse) + ".")
     others = []
     for col, noun in (("act_zero_frac_mean", "activation-gradient zeros"),
                       ("skipped_steps", "skipped steps")):
         rows = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
-                     & (comps["metric"] == col)]
+                     & (comps["metric"] == col) & (comps["baseline"] == BASELINE)]
         for _, c in rows.iterrows():
-            phrase = evidence_phrase(c.poi, c.poi_lo, c.poi_hi, c.welch_p, c.mwu_p)
-            if phrase.startswith("clearly"):
-                f = (lambda v: f"{100 * v:.1f}%") if is_pct(col) else fmt  # noqa: E731
-                others.append(f"{code(c.strategy)} {'fewer' if 'better' in phrase else 'more'} "
-                              f"{noun} ({f(c['mean'])} vs {f(c.base_mean)})")
+            if c.reading in (CLEARLY_BETTER, CLEARLY_WORSE):
+                f = pct if is_pct(col) else fmt
+                more = "fewer" if c.reading == CLEARLY_BETTER else "more"
+                others.append(f"{code(c.strategy)} {more} {noun} ({f(c['mean'])} vs "
+                              f"{f(c.base_mean)})")
     if others:
         parts.append(f"Clearly different from `{BASELINE}` besides loss: " + "; ".join(others)
                      + ".")
@@ -98,9 +99,10 @@ def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd
         if s not in set(cell_s["strategy"]):
             continue
         r = row(s)
+        c = "strategy_overhead_frac_mean"
+        overhead = fmt_ci(r[c], r[f"{c}_lo"], r[f"{c}_hi"], pct_=True)
         costs.append(f"{code(s)} skipped {fmt(r['skipped_steps_mean'])} steps and spent "
-                     f"{fmt_ci(r['strategy_overhead_frac_mean'], r['strategy_overhead_frac_mean_lo'], r['strategy_overhead_frac_mean_hi'], pct_=True)} "
-                     "of step time in the strategy")
+                     f"{overhead} of step time in the strategy")
     if costs:
         parts.append("Cost: " + "; ".join(costs) + ".")
     bad = cell_s[(cell_s["n_diverged"] + cell_s["n_failed"] + cell_s["n_other"]) > 0]
@@ -151,14 +153,15 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     winners: list[str] = []
     comparable = False
     if comps is not None and not comps.empty:
-        loss = comps[(comps["metric"] == PRIMARY) & (comps["precision"] != REFERENCE_PRECISION)]
-        comparable = bool(np.isfinite(loss["poi_lo"]).any())
-        winners = sorted(set(loss[loss["poi_lo"] > 0.5]["strategy"]))
+        loss = comps[(comps["metric"] == PRIMARY) & (comps["baseline"] == BASELINE)
+                     & (comps["precision"] != REFERENCE_PRECISION)]
+        comparable = bool((loss["reading"] != NOT_COMPARABLE).any())
+        winners = sorted(set(loss[loss["reading"].isin([CLEARLY_BETTER, BETTER_FEW])]["strategy"]))
     text = "**Verdict:** "
     if comparable and not winners:
         text += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
-                 "any comparison (every interval of P(lower loss) includes 0.5 or lies below "
-                 "it). Judged also by divergence, skipped steps and underflow, ")
+                 "any comparison (every paired reading is 'no detectable difference' or worse). "
+                 "Judged also by divergence, skipped steps and underflow, ")
     elif winners:
         text += (f"beating `{BASELINE}` on final eval loss in at least one comparison: "
                  + ", ".join(code(w) for w in winners) + ". Overall, ")
@@ -182,11 +185,11 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
                  + " — the order among them comes from skipped steps, underflow and overhead.")
     counts = s_low[f"{PRIMARY}_n"]
     n_seeds = int(counts[counts > 0].min()) if (counts > 0).any() else 0
-    if 0 < n_seeds < 5:
-        p_min = 2 / math.comb(2 * n_seeds, n_seeds)
+    if 0 < n_seeds < 6:
         text += (f" With only {n_seeds} seeds per strategy every interval here is wide and "
-                 "optimistic (with 3 seeds a nominal 95% percentile-bootstrap interval covers the "
-                 "true mean only about three times in four) and the smallest two-sided "
-                 f"Mann–Whitney p for {n_seeds} vs {n_seeds} runs is {p_min:.2g}: read "
-                 "differences that are not large and consistent as unresolved.")
+                 "optimistic (with 3 seeds a nominal 95% bootstrap interval covers the true mean "
+                 "only about seven times in ten) and the smallest two-sided Wilcoxon "
+                 f"signed-rank p over {n_seeds} paired seeds is {min_wilcoxon_p(n_seeds):.2g}: "
+                 "a call of 'clearly' then rests on the paired t-test with every seed agreeing; "
+                 "read differences that are not large and consistent as unresolved.")
     return text

@@ -47,7 +47,8 @@ except ImportError:  # opened from analysis/notebooks/ without installing: use t
 
 from analysis import figures as F
 from analysis.load import load_runs, load_wandb
-from analysis.tables import PRIMARY, compare_to_baseline, rank_strategies, summarize
+from analysis.tables import (PRIMARY, compare_to_baseline, compare_to_reference,
+                             rank_strategies, summarize)
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 30)
@@ -85,18 +86,21 @@ cols = ["workload", "precision", "strategy", "n_completed", "n_diverged", "n_fai
 summary[cols]
 
 # %% [markdown]
-# ## Ranking (ties where intervals overlap) and each strategy against `native`
-# `poi` is the probability that a run of the strategy ends with a lower value than a run of
-# `native` (0.5: no difference); a diverged run counts as worse than any finished one.
+# ## Ranking (ties where intervals overlap) and each strategy against `native` and fp32
+# Paired by seed: `paired_diff` is the mean per-seed difference (negative is better) with its
+# bootstrap interval, `p_better` the fraction of seeds where the strategy is lower, and
+# `reading` the report's words (rule: README, "Read the report"). A diverged run loses its seed.
 
 # %%
 ranks = rank_strategies(summary)
 display(ranks)
-comps = compare_to_baseline(rs.runs, n_boot=N_BOOT)
+comps = pd.concat([compare_to_baseline(rs.runs, n_boot=N_BOOT),
+                   compare_to_reference(rs.runs, n_boot=N_BOOT)], ignore_index=True)
 if not comps.empty:
-    display(comps[comps["metric"] == PRIMARY][["workload", "precision", "strategy", "mean",
-                                               "base_mean", "diff", "poi", "poi_lo", "poi_hi",
-                                               "welch_p", "mwu_p"]])
+    display(comps[comps["metric"] == PRIMARY][["workload", "precision", "strategy", "baseline",
+                                               "n_pairs", "paired_diff", "paired_diff_lo",
+                                               "paired_diff_hi", "p_better", "paired_t_p_holm",
+                                               "wilcoxon_p", "reading"]])
 
 # %% [markdown]
 # ## Figures

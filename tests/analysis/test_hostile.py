@@ -68,7 +68,8 @@ def test_one_failed_job_without_numbers(tmp_path, capsys):
              strategy_overhead_frac=None, mean_step_time_s=None)
     (root / "0" / "summary.json").write_text(json.dumps(s))
     md, status = _report(root, tmp_path, capsys)
-    assert "**failed**" in _row(status, "sweep/0") and "CUDA out of memory" in _row(status, "sweep/0")
+    row = _row(status, "sweep/0")
+    assert "**failed**" in row and "CUDA out of memory" in row
 
 
 def test_failed_job_of_unknown_identity(tmp_path, capsys):
@@ -224,7 +225,7 @@ def test_unknown_status_counts_as_not_completed(tmp_path, capsys):
 
 def test_analysis_imports_only_the_schema_of_experiments():
     code = ("import sys, analysis, analysis.load, analysis.report, analysis.figures, "
-            "analysis.tables, analysis.verdict, analysis.wandb_runs\n"
+            "analysis.tables, analysis.verdict, analysis.wandb_runs, analysis.paired\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'strategies', 'cuda', 'hydra', 'omegaconf') or "
             "(m.startswith('experiments') and m not in ('experiments', 'experiments.schema')))\n"
