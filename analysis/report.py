@@ -217,14 +217,19 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
                     + ([f"… and {len(rs.problems) - 50} more"] if len(rs.problems) > 50 else []))
 
     doc.h(1, "Figures")
-    figs = F.all_figures(rs, summary, bench_df)
+    notes: list[str] = []
+    figs = F.all_figures(rs, summary, bench_df, notes)
     try:
         for f in figs:
-            path = F.save(f, fig_dir)
-            doc.h(2, f.title)
-            doc.image(path, f.title, f.caption)
+            path = F.save(f, fig_dir, notes=notes)
+            if path is not None:
+                doc.h(2, f.title)
+                doc.image(path, f.title, f.caption)
     finally:
         F.close_all(figs)
+    if notes:
+        doc.p("Not drawn from these records:")
+        doc.bullets([code(n, max_chars=300) for n in notes])
     if bench_note:
         doc.p(bench_note + ".")
 

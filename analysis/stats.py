@@ -93,6 +93,8 @@ def bootstrap_ci(x: Array, statistic: str = "mean", *, n_boot: int = N_BOOT,
     arr = arr[np.isfinite(arr)]
     if arr.size < 2:
         return (float("nan"), float("nan"))
+    if np.all(arr == arr[0]):  # a constant sample: every statistic is that constant
+        return (float(arr[0]), float(arr[0]))
     return _interval((arr,), STATISTICS[statistic], method, n_boot=n_boot, level=level,
                      seed=seed)
 

@@ -8,7 +8,8 @@ them as PNG and embeds them in the HTML.
 * :mod:`analysis.figures.common`    — :class:`Figure`, format ranges, style, shared helpers;
 * :mod:`analysis.figures.curves`    — loss curves, scale trajectories, skipped steps;
 * :mod:`analysis.figures.underflow` — per-layer underflow heat map, gradient-exponent histogram;
-* :mod:`analysis.figures.final`     — final-metric intervals, overhead against model size.
+* :mod:`analysis.figures.final`     — final-metric intervals, overhead against model size;
+* :mod:`analysis.figures.paired`    — per-seed differences against ``native``.
 
 Build and save figures inside :func:`figure_rc` (:func:`all_figures` and :func:`save` do).
 """
@@ -16,7 +17,7 @@ Build and save figures inside :func:`figure_rc` (:func:`all_figures` and :func:`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import pandas as pd
 
@@ -25,36 +26,62 @@ from analysis.figures.common import (FORMAT_RANGES, MAX_PER_KIND, REFERENCE_PREC
 from analysis.figures.curves import (loss_curve_figures, scale_trajectory_figures,
                                      skipped_figures)
 from analysis.figures.final import interval_figures, overhead_figures
+from analysis.figures.paired import paired_difference_figures
 from analysis.figures.underflow import exponent_histogram_figures, underflow_heatmap_figures
 from analysis.runset import RunSet
 
 __all__ = ["FORMAT_RANGES", "MAX_PER_KIND", "REFERENCE_PRECISION", "Figure", "all_figures",
            "close_all", "exponent_histogram_figures", "figure_png", "figure_rc",
            "format_range_note", "interval_figures", "loss_curve_figures", "overhead_figures",
+           "paired_difference_figures",
            "save", "scale_trajectory_figures", "skipped_figures", "underflow_heatmap_figures"]
 
 
-def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = None
-                ) -> list[Figure]:
-    """Every figure of the report, in report order."""
+def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = None,
+                notes: list[str] | None = None) -> list[Figure]:
+    """Every figure of the report, in report order.
+
+    A kind of figure that matplotlib cannot draw from these records (values so large that no
+    axis can hold them) is left out and said in one line in ``notes``; the others are drawn.
+    """
+    builders: list[tuple[str, Callable[[], list[Figure]]]] = [
+        ("loss curves", lambda: loss_curve_figures(rs)),
+        ("final-metric intervals", lambda: interval_figures(summary)),
+        ("paired differences", lambda: paired_difference_figures(rs.runs)),
+        ("scale trajectories", lambda: scale_trajectory_figures(rs)),
+        ("skipped steps", lambda: skipped_figures(rs)),
+        ("underflow heat maps", lambda: underflow_heatmap_figures(rs)),
+        ("gradient exponents", lambda: exponent_histogram_figures(rs)),
+        ("overhead vs size", lambda: overhead_figures(bench)),
+    ]
+    figs: list[Figure] = []
     with figure_rc():
-        figs: list[Figure] = []
-        figs += loss_curve_figures(rs)
-        figs += interval_figures(summary)
-        figs += scale_trajectory_figures(rs)
-        figs += skipped_figures(rs)
-        figs += underflow_heatmap_figures(rs)
-        figs += exponent_histogram_figures(rs)
-        figs += overhead_figures(bench)
+        for what, build in builders:
+            try:
+                figs += build()
+            except (ValueError, OverflowError, RuntimeError) as exc:
+                _note(notes, f"{what} not drawn", exc)
     return figs
 
 
-def save(f: Figure, folder: Path, dpi: int = 110) -> Path:
-    """Write ``f`` as ``<folder>/<name>.png`` (under :func:`figure_rc`); return the path."""
+def save(f: Figure, folder: Path, dpi: int = 110, notes: list[str] | None = None
+         ) -> Path | None:
+    """Write ``f`` as ``<folder>/<name>.png`` (under :func:`figure_rc`); return the path, or
+    ``None`` (said in ``notes``) when it cannot be rendered."""
     path = folder / f"{f.name}.png"
-    with figure_rc():
-        f.fig.savefig(path, dpi=dpi)
+    try:
+        with figure_rc():
+            f.fig.savefig(path, dpi=dpi)
+    except (ValueError, OverflowError, RuntimeError) as exc:
+        path.unlink(missing_ok=True)
+        _note(notes, f"figure {f.name} not drawn", exc)
+        return None
     return path
+
+
+def _note(notes: list[str] | None, what: str, exc: BaseException) -> None:
+    if notes is not None:
+        notes.append(f"{what}: {type(exc).__name__}: {exc}".splitlines()[0][:300])
 
 
 def close_all(figs: Iterable[Figure]) -> None:

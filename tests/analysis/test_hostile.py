@@ -197,6 +197,11 @@ def test_huge_and_non_finite_values(tmp_path, capsys):
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     md, status = _report(root, tmp_path, capsys)
     assert "inf" in md
+    drawn = {p.name.split("-")[0] for p in (tmp_path / "out" / "figures").glob("*.png")}
+    assert {"loss", "scales", "skipped", "underflow", "exponents"} <= drawn
+    figures = md.split("## Figures", 1)[1]
+    for kind in {"loss", "intervals", "paired"} - drawn:  # a figure left out is said, not lost
+        assert "Not drawn from these records" in figures, kind
 
 
 def test_non_utf8_bytes(tmp_path, capsys):
