@@ -91,7 +91,7 @@ class Document:
             elif isinstance(b, Image):
                 rel = b.path.relative_to(base).as_posix() if b.path.is_relative_to(base) \
                     else b.path.as_posix()
-                out += [f"![{b.title}]({rel})", "", f"*{b.caption}*", ""]
+                out += [f"![{b.path.stem}]({rel})", "", f"*{b.caption}*", ""]
         return "\n".join(out).rstrip() + "\n"
 
     def to_html(self) -> str:
@@ -117,7 +117,7 @@ class Document:
             elif isinstance(b, Image):
                 data = base64.b64encode(b.path.read_bytes()).decode("ascii")
                 body.append(
-                    f'<figure><img alt="{html.escape(b.title)}" '
+                    f'<figure><img alt="{html.escape(b.path.stem)}" '
                     f'data-file="{html.escape(b.path.name)}" '
                     f'src="data:image/png;base64,{data}"/>'
                     f"<figcaption><b>{_inline(b.title)}.</b> {_inline(b.caption)}</figcaption>"
@@ -142,8 +142,7 @@ def _md_cell(text: str) -> str:
 
 
 def _inline(text: str) -> str:
-    """Escape HTML, then translate `code` and **bold**."""
-    s = html.escape(text)
-    s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
-    s = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", s)
-    return s
+    """Escape HTML, then translate `code` and, outside code spans only, **bold**."""
+    parts = re.split(r"(`[^`]+`)", html.escape(text))
+    return "".join(f"<code>{p[1:-1]}</code>" if len(p) > 1 and p[0] == p[-1] == "`"
+                   else re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", p) for p in parts)

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -17,7 +19,7 @@
 # Interactive companion of `scalelab-report`: loads one sweep (local run directories, or a W&B
 # group), then shows the run statuses, the per-strategy interval estimates, each strategy
 # against `native`, the tiered ranking and the figures. Every number comes from
-# `analysis.load` / `analysis.stats` / `analysis.figures`, the same code as the report.
+# `analysis.load` / `analysis.tables` / `analysis.figures`, the same code as the report.
 #
 # **Choose the runs** in the next cell, or without editing anything through environment
 # variables: `SCALELAB_RUN_DIR` (one or more sweep directories separated by `:`) or
@@ -45,7 +47,8 @@ except ImportError:  # opened from analysis/notebooks/ without installing: use t
 
 from analysis import figures as F
 from analysis.load import load_runs, load_wandb
-from analysis.stats import PRIMARY, compare_to_baseline, rank_strategies, summarize
+from analysis.tables import (PRIMARY, compare_to_baseline, compare_to_reference,
+                             rank_strategies, summarize)
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 30)
@@ -72,8 +75,8 @@ for problem in rs.problems:
 
 # %% [markdown]
 # ## Interval estimates over seeds
-# Mean and interquartile mean with 95 % percentile-bootstrap intervals (fixed RNG seed). With 3
-# seeds these intervals are narrow by construction and cover the truth only about 3 times in 4.
+# Mean and interquartile mean with 95 % BCa bootstrap intervals (scipy, fixed RNG seed). With 3
+# seeds these intervals are narrow by construction and cover the truth only about 7 times in 10.
 
 # %%
 summary = summarize(rs.runs, n_boot=N_BOOT)
@@ -83,18 +86,21 @@ cols = ["workload", "precision", "strategy", "n_completed", "n_diverged", "n_fai
 summary[cols]
 
 # %% [markdown]
-# ## Ranking (ties where intervals overlap) and each strategy against `native`
-# `poi` is the probability that a run of the strategy ends with a lower value than a run of
-# `native` (0.5: no difference); a diverged run counts as worse than any finished one.
+# ## Ranking (ties where intervals overlap) and each strategy against `native` and fp32
+# Paired by seed: `paired_diff` is the mean per-seed difference (negative is better) with its
+# bootstrap interval, `p_better` the fraction of seeds where the strategy is lower, and
+# `reading` the report's words (rule: README, "Read the report"). A diverged run loses its seed.
 
 # %%
 ranks = rank_strategies(summary)
 display(ranks)
-comps = compare_to_baseline(rs.runs, n_boot=N_BOOT)
+comps = pd.concat([compare_to_baseline(rs.runs, n_boot=N_BOOT),
+                   compare_to_reference(rs.runs, n_boot=N_BOOT)], ignore_index=True)
 if not comps.empty:
-    display(comps[comps["metric"] == PRIMARY][["workload", "precision", "strategy", "mean",
-                                               "base_mean", "diff", "poi", "poi_lo", "poi_hi",
-                                               "welch_p", "mwu_p"]])
+    display(comps[comps["metric"] == PRIMARY][["workload", "precision", "strategy", "baseline",
+                                               "n_pairs", "paired_diff", "paired_diff_lo",
+                                               "paired_diff_hi", "p_better", "paired_t_p_holm",
+                                               "wilcoxon_p", "reading"]])
 
 # %% [markdown]
 # ## Figures

@@ -40,6 +40,9 @@ class SweepSpec:
     fp32_reference: bool = True
     extras: bool = True
     rng_seed: int = 1234
+    #: Exact final eval losses per (strategy, precision), one per seed, instead of draws (for
+    #: paired designs: seed effects shared across strategies).
+    finals: dict[tuple[str, str], list[float]] | None = None
 
 
 def _scale_path(strategy: str, steps: int, log_every: int, rng: np.random.Generator
@@ -159,9 +162,12 @@ def write_sweep(root: str | Path, spec: SweepSpec | None = None) -> dict[str, ob
     cells = [(s, p, mu) for p in spec.precisions for s, mu in spec.true_loss.items()]
     if spec.fp32_reference:
         cells.append(("none", "fp32", min(spec.true_loss.values()) - 0.05))
+    if spec.finals is not None:
+        cells = [(s, p, float("nan")) for (s, p) in spec.finals]
     for strategy, precision, mu in cells:
         for seed in range(spec.seeds):
-            final = float(rng.normal(mu, spec.sd))
+            final = (float(rng.normal(mu, spec.sd)) if spec.finals is None
+                     else spec.finals[(strategy, precision)][seed])
             finals.setdefault((strategy, precision), []).append(final)
             lines = _run_lines(strategy, precision, final, spec, rng)
             skipped = sum(1 for ln in lines if ln.get("skipped"))

@@ -197,3 +197,38 @@ def test_wandb_runs_load_like_local_runs(sweep):
         a = a[a["run_id"] == "me/scalelab/a1"].drop(columns=["run_id"]).reset_index(drop=True)
         b = b[b["run_id"] == "synthetic/0"].drop(columns=["run_id"]).reset_index(drop=True)
         pd.testing.assert_frame_equal(a, b, check_dtype=False)
+
+
+def test_fidelity_lines_load_and_unknown_kinds_are_reported(tmp_path: Path):
+    """Today's records plus the fidelity probe's lines (experiments.schema.FIDELITY_FIELDS):
+    they fill the ``fidelity`` table; a line of a kind no schema knows is skipped and said."""
+    write_sweep(tmp_path / "s", SweepSpec(true_loss={"native": 0.7}, seeds=1, extras=False,
+                                          fp32_reference=False, steps=10))
+    path = tmp_path / "s" / "0" / "metrics.jsonl"
+    with path.open("a", encoding="utf-8") as fh:
+        for step, cos in ((5, 0.99), (10, 0.98)):
+            fh.write(json.dumps({"kind": "fidelity", "step": step, "cosine": cos,
+                                 "rel_err": 1 - cos, "lost_frac": 0.01,
+                                 "layer_cosine": {"fc1": cos}, "layer_rel_err": {"fc1": 0.1},
+                                 "layer_lost_frac": {"fc1": 0.0}, "probe_time_s": 0.002}) + "\n")
+        fh.write(json.dumps({"kind": "future", "step": 10}) + "\n")
+    rs = load_runs(tmp_path / "s")
+    assert rs.fidelity["cosine"].tolist() == [0.99, 0.98]
+    assert rs.fidelity["step"].tolist() == [5, 10]
+    assert set(rs.fidelity["strategy"]) == {"native"}
+    assert len(rs.problems) == 1 and "no known kind" in rs.problems[0]
+    assert rs.runs["status"].tolist() == ["completed"]
+
+
+def test_analysis_keys_come_from_the_schema():
+    """Every per-run metric the report compares is a summary field of experiments.schema, or a
+    per-run aggregate of a train-line field the loader computes."""
+    from experiments.schema import SUMMARY_FIELDS, TRAIN_FIELDS
+
+    from analysis.runset import SUMMARY_COLUMNS, TRAIN_SCALARS
+    from analysis.tables import METRICS
+
+    assert set(SUMMARY_COLUMNS) == set(SUMMARY_FIELDS) - {"fingerprint"}
+    assert set(TRAIN_SCALARS) <= set(TRAIN_FIELDS)
+    for m in METRICS:
+        assert m.column in SUMMARY_FIELDS or m.column.removesuffix("_mean") in TRAIN_FIELDS, m

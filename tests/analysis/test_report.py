@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 
 from analysis.load import load_runs
-from analysis.report import build_report, main, overall_verdict
-from analysis.stats import compare_to_baseline, rank_strategies, summarize
+from analysis.report import build_report, main
+from analysis.tables import compare_to_baseline, rank_strategies, summarize
+from analysis.verdict import overall_verdict
 from tests.analysis.synth import SweepSpec, write_sweep
 
 
@@ -79,8 +80,8 @@ def test_html_is_self_contained_and_embeds_every_figure(report: Path):
         assert img["src"].startswith("data:image/png;base64,")
         assert (report / "figures" / img["data-file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     kinds = {re.sub(r"-.*", "", p.removesuffix(".png")) for p in pngs}
-    assert kinds == {"loss", "intervals", "scales", "skipped", "underflow", "exponents",
-                     "overhead_vs_size"}
+    assert kinds == {"loss", "intervals", "paired", "scales", "skipped", "underflow",
+                     "exponents", "overhead_vs_size"}
 
 
 def test_markdown_references_the_same_figures(report: Path):

@@ -11,9 +11,9 @@ import pytest
 from scipy import stats as sps
 
 from analysis.load import load_runs
-from analysis.stats import (PRIMARY, bootstrap_ci, compare_to_baseline, iqm, mann_whitney,
-                            prob_improvement, prob_improvement_ci, rank_strategies, summarize,
-                            welch_test)
+from analysis.stats import (bootstrap_ci, iqm, mann_whitney, prob_improvement,
+                            prob_improvement_ci, welch_test)
+from analysis.tables import PRIMARY, compare_to_baseline, rank_strategies, summarize
 from tests.analysis.synth import SweepSpec, write_sweep
 
 
@@ -176,3 +176,27 @@ def test_all_pairs_probability_matches_brute_force():
     x, y = [0.3, 0.1, 0.2, 0.2], [0.2, 0.4]
     brute = np.mean([(a < b) + 0.5 * (a == b) for a, b in itertools.product(x, y)])
     assert prob_improvement(x, y) == pytest.approx(brute)
+
+
+def test_degenerate_samples_give_a_point_or_nan_without_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bootstrap_ci([0.7, 0.7, 0.7]) == (0.7, 0.7)
+        assert bootstrap_ci([0.7, 0.7, 0.7, 0.7], "iqm") == (0.7, 0.7)
+        assert np.isnan(bootstrap_ci([np.nan, 1.0, np.inf])).all()  # one finite value
+        lo, hi = bootstrap_ci([1.0, 2.0])  # two values: BCa or its percentile fallback
+        assert 1.0 <= lo <= hi <= 2.0
+        assert prob_improvement_ci([1.0, 1.0], [1.0, 1.0]) == (0.5, 0.5)
+        assert np.isnan(prob_improvement_ci([1.0], [1.0, 2.0])).all()
+
+
+def test_bca_is_the_default_and_differs_from_percentile_on_skewed_data():
+    x = np.array([0.1, 0.1, 0.2, 0.2, 0.3, 0.4, 2.5, 3.0])
+    bca = bootstrap_ci(x)
+    pct = bootstrap_ci(x, method="percentile")
+    res = sps.bootstrap((x,), np.mean, n_resamples=2000, method="BCa",
+                        rng=np.random.default_rng(0))
+    assert bca == pytest.approx(tuple(res.confidence_interval))
+    assert bca != pytest.approx(pct)

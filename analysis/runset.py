@@ -1,0 +1,302 @@
+"""Tidy tables of a set of runs, built from records already read (local files or W&B).
+
+Every value enters through :mod:`experiments.schema` (``coerce``): a value of the wrong type
+(a dict where a number belongs, a string for a number, a list for a string) becomes ``None`` and
+is counted as an *issue* of its run, so nothing downstream ever sees a type it did not expect.
+
+Tables of a :class:`RunSet` (one row per …):
+
+* ``runs``         run: the summary fields, per-run aggregates of the step telemetry, ``status``
+  and ``issues`` (a one-line description of what was wrong with its records, or ``None``);
+* ``train``        logged training step (scalar keys only);
+* ``evals``        evaluation;
+* ``fidelity``     gradient-fidelity probe (cosine, rel_err, lost_frac against fp32);
+* ``layers``       (run, step, layer): ``act_zero_frac``, ``act_subnormal_frac``;
+* ``group_scales`` (run, step, scale group) for per-group strategies (``layerwise``);
+* ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram.
+
+Statuses after loading: ``completed``, ``diverged``, ``failed``, ``incomplete`` (no summary, or
+still ``running``), or any other status word a writer used (e.g. ``stalled``), kept as written;
+only ``completed`` runs enter the statistics.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import pandas as pd
+
+from experiments.schema import (EVAL_FIELDS, FIDELITY_FIELDS, KIND_EVAL, KIND_FIDELITY,
+                                KIND_TRAIN, SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, Field,
+                                coerce)
+
+#: Statuses every report table shows (others a writer used are appended after them).
+STATUSES = ("completed", "diverged", "failed", "incomplete")
+
+#: Columns of the ``runs`` table taken from ``summary.json`` (in this order).
+SUMMARY_COLUMNS = tuple(k for k in SUMMARY_FIELDS if k != "fingerprint")
+
+#: Identity keys read from ``.hydra/overrides.yaml`` when the summary lacks them.
+IDENTITY_KEYS = ("strategy", "precision", "model", "data", "regime", "seed")
+
+#: Scalar keys of a train line kept in the ``train`` table.
+TRAIN_SCALARS = tuple(k for k, f in TRAIN_FIELDS.items()
+                      if f.type in (int, float, bool) and k != "step")
+EVAL_SCALARS = tuple(k for k, f in EVAL_FIELDS.items() if f.type in (int, float) and k != "step")
+FIDELITY_SCALARS = tuple(k for k, f in FIDELITY_FIELDS.items()
+                         if f.type in (int, float, bool) and k != "step")
+
+#: Identity columns copied onto every per-step table so each is usable on its own.
+ID_COLUMNS = ("run_id", "strategy", "precision", "workload", "seed", "status")
+
+_STATUS_WORD = re.compile(r"[a-z][a-z_]{0,23}")
+
+
+class RunLoadError(ValueError):
+    """No run records could be found or read (an empty or missing directory)."""
+
+
+@dataclass
+class RunSet:
+    """Tidy tables of a set of runs; see the module docstring for each table's rows."""
+
+    runs: pd.DataFrame
+    train: pd.DataFrame
+    evals: pd.DataFrame
+    fidelity: pd.DataFrame
+    layers: pd.DataFrame
+    group_scales: pd.DataFrame
+    exp_hist: pd.DataFrame
+    problems: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+
+def coerce_fields(fields: Mapping[str, Field], raw: Mapping[str, Any], bad: Counter
+                  ) -> dict[str, Any]:
+    """``raw``'s known keys coerced through the schema; every value that was present but had
+    the wrong type (or a map entry that was not a number) is counted in ``bad`` by key."""
+    out: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        value = raw[name]
+        out[name] = coerce(f, value)
+        if value is not None and out[name] is None:
+            bad[name] += 1
+        elif f.type == "float_map" and isinstance(value, Mapping) and len(out[name]) < len(value):
+            bad[name] += 1
+    return out
+
+
+def describe_bad(where: str, bad: Counter) -> str:
+    """``"summary.json: wrong type for seed, strategy (ignored)"`` — one line for a record."""
+    keys = ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(bad.items()))
+    return f"{where}: wrong type for {keys} (ignored)"
+
+
+def line_problem(obj: Any) -> str | None:
+    """Why a parsed ``metrics.jsonl`` line cannot be used (``None`` when it can): it must be an
+    object with a known ``kind`` and an integral ``step``."""
+    if not isinstance(obj, Mapping):
+        return f"not a JSON object ({type(obj).__name__})"
+    if obj.get("kind") not in (KIND_TRAIN, KIND_EVAL, KIND_FIDELITY):
+        return "no known kind (train, eval, fidelity)"
+    if coerce(TRAIN_FIELDS["step"], obj.get("step")) is None:
+        return "step is not an integer"
+    return None
+
+
+def classify(summary: Mapping[str, Any] | None) -> str:
+    """The run's status after loading (see the module docstring)."""
+    if summary is None:
+        return "incomplete"
+    status = summary.get("status")
+    if status == "diverged" or summary.get("diverged") is True:
+        return "diverged"
+    if status in (None, "running"):
+        return "incomplete"
+    return status if _STATUS_WORD.fullmatch(status) else "unknown"
+
+
+def workload_of(rec: Mapping[str, Any]) -> str | None:
+    if rec.get("workload"):
+        return str(rec["workload"])
+    parts = [rec.get("model"), rec.get("data"), rec.get("regime") or "plain"]
+    if parts[0] is None or parts[1] is None:
+        return None
+    return "/".join(str(p) for p in parts)
+
+
+class Builder:
+    """Accumulates rows of every table while runs are read one after another.
+
+    ``add_run`` takes raw (untrusted) records: the summary as parsed from JSON (or ``None``),
+    the metrics lines as parsed objects, and a best-effort ``identity`` (e.g. from Hydra's
+    overrides) used where the summary lacks a key. It never raises on record contents.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[dict[str, Any]]] = {
+            name: [] for name in ("runs", "train", "evals", "fidelity", "layers",
+                                  "group_scales", "exp_hist")}
+        self.problems: list[str] = []
+
+    def add_run(self, run_id: str, run_dir: str, raw_summary: Mapping[str, Any] | None,
+                lines: Iterable[Mapping[str, Any]], identity: Mapping[str, Any] | None = None,
+                issues: Sequence[str] = ()) -> None:
+        issues = list(issues)
+        bad: Counter = Counter()
+        summary = None if raw_summary is None else coerce_fields(SUMMARY_FIELDS, raw_summary, bad)
+        if bad:
+            issues.append(describe_bad("summary", bad))
+        src = {k: v for k, v in coerce_fields(SUMMARY_FIELDS, identity or {}, Counter()).items()
+               if v is not None}
+        src.update({k: v for k, v in (summary or {}).items() if v is not None})
+        rec: dict[str, Any] = {"run_id": run_id, "run_dir": run_dir}
+        rec.update({col: src.get(col) for col in SUMMARY_COLUMNS})
+        rec["status"] = classify(summary)
+        rec["summary_status"] = None if summary is None else summary.get("status")
+        rec["workload"] = workload_of(src)
+        rec["regime"] = src.get("regime") or ("plain" if rec["workload"] else None)
+        fp = (summary or {}).get("fingerprint") or {}
+        rec["git_sha"] = fp.get("git_sha") if isinstance(fp.get("git_sha"), str) else None
+        if rec["error"] is None and rec["status"] == "incomplete" and not issues:
+            rec["error"] = (f"no {SUMMARY_NAME}" if raw_summary is None
+                            else "summary still says 'running' (killed or still training)")
+        if rec["status"] == "unknown":
+            issues.append("summary status is not a status word")
+        if any(rec[k] is None for k in ("strategy", "precision", "workload")):
+            issues.append("identity incomplete (strategy, precision or workload missing): "
+                          "not compared")
+        ident = {k: rec[k] for k in ID_COLUMNS}
+        line_bad: Counter = Counter()
+        counts, zero_fracs, sub_fracs, last_eval = self._add_lines(ident, lines, line_bad)
+        if line_bad:
+            issues.append(describe_bad("metrics", line_bad))
+        rec["n_train_lines"], rec["n_eval_lines"] = counts[KIND_TRAIN], counts[KIND_EVAL]
+        rec["act_zero_frac_mean"] = _finite_mean(zero_fracs)
+        rec["act_subnormal_frac_mean"] = _finite_mean(sub_fracs)
+        if rec["final_eval_loss"] is None and rec["status"] == "incomplete":
+            rec["last_eval_loss"] = last_eval
+        rec["issues"] = "; ".join(issues) or None
+        self.rows["runs"].append(rec)
+
+    def _add_lines(self, ident: dict[str, Any], lines: Iterable[Mapping[str, Any]],
+                   bad: Counter) -> tuple[Counter, list[float], list[float], float | None]:
+        counts: Counter = Counter()
+        zero_fracs: list[float] = []
+        sub_fracs: list[float] = []
+        last_eval = None
+        tables = {KIND_TRAIN: (TRAIN_FIELDS, TRAIN_SCALARS, "train"),
+                  KIND_EVAL: (EVAL_FIELDS, EVAL_SCALARS, "evals"),
+                  KIND_FIDELITY: (FIDELITY_FIELDS, FIDELITY_SCALARS, "fidelity")}
+        for raw in lines:
+            if line_problem(raw) is not None:
+                bad["line"] += 1
+                continue
+            fields, scalars, table = tables[raw["kind"]]
+            line = coerce_fields(fields, raw, bad)
+            step = line["step"]
+            counts[raw["kind"]] += 1
+            row = dict(ident, step=step)
+            row.update({k: _cell(line.get(k)) for k in scalars if k != "kind"})
+            self.rows[table].append(row)
+            if raw["kind"] == KIND_EVAL:
+                last_eval = row.get("eval_loss")
+            elif raw["kind"] == KIND_TRAIN:
+                self._add_layers(ident, step, line, zero_fracs, sub_fracs)
+                self._add_group_scales(ident, step, line)
+                self._add_hist(ident, step, line.get("act_exp_hist"), bad)
+        return counts, zero_fracs, sub_fracs, last_eval
+
+    def _add_layers(self, ident: dict[str, Any], step: int, line: Mapping[str, Any],
+                    zero_fracs: list[float], sub_fracs: list[float]) -> None:
+        zero = line.get("act_zero_frac") or {}
+        sub = line.get("act_subnormal_frac") or {}
+        for values, out in ((zero.values(), zero_fracs), (sub.values(), sub_fracs)):
+            mean = _finite_mean(values)
+            if mean is not None:
+                out.append(mean)
+        for order, layer in enumerate(dict.fromkeys([*zero, *sub])):
+            self.rows["layers"].append(dict(ident, step=step, layer=layer, layer_order=order,
+                                            act_zero_frac=zero.get(layer),
+                                            act_subnormal_frac=sub.get(layer)))
+
+    def _add_group_scales(self, ident: dict[str, Any], step: int, line: Mapping[str, Any]
+                          ) -> None:
+        scales = line.get("scales")
+        if not scales:
+            return
+        names = line.get("scale_groups")
+        if not names or len(names) != len(scales):
+            names = [f"group{i}" for i in range(len(scales))]
+        for order, (name, value) in enumerate(zip(names, scales)):
+            self.rows["group_scales"].append(dict(ident, step=step, group=name,
+                                                  group_order=order, scale=value))
+
+    def _add_hist(self, ident: dict[str, Any], step: int, hist: Mapping[str, Any] | None,
+                  bad: Counter) -> None:
+        if hist is None:
+            return
+        lo, counts = hist.get("lo"), hist.get("counts")
+        zeros = _as_float(hist.get("zeros")) or 0.0
+        if isinstance(lo, bool) or not isinstance(lo, int) or not isinstance(counts, list) \
+                or abs(lo) > 10_000 or len(counts) > 10_000:
+            bad["act_exp_hist"] += 1
+            return
+        values = [_as_float(c) for c in counts]
+        for i, c in enumerate(values):
+            if c:
+                self.rows["exp_hist"].append(dict(ident, step=step, exponent=lo + i, count=c,
+                                                  zeros=zeros))
+        # Keep the zeros of a histogram with no nonzero bins too (all gradients underflowed).
+        if not any(values):
+            self.rows["exp_hist"].append(dict(ident, step=step, exponent=None, count=0.0,
+                                              zeros=zeros))
+
+    def build(self, sources: Sequence[str]) -> RunSet:
+        runs = pd.DataFrame(self.rows["runs"])
+        if not runs.empty:
+            runs = runs.sort_values(["workload", "precision", "strategy", "seed", "run_id"],
+                                    na_position="last", key=_sort_key).reset_index(drop=True)
+        order = {"train": ["step"], "evals": ["step"], "fidelity": ["step"],
+                 "layers": ["step", "layer_order"], "group_scales": ["step", "group_order"],
+                 "exp_hist": ["step", "exponent"]}
+        tables = {name: _frame(self.rows[name], ["run_id", *keys]) for name, keys in order.items()}
+        return RunSet(runs=runs, problems=list(self.problems), sources=list(sources), **tables)
+
+
+def _sort_key(col: pd.Series) -> pd.Series:
+    return col.astype(str) if col.name != "seed" else pd.to_numeric(col, errors="coerce")
+
+
+def _frame(rows: list[dict[str, Any]], order: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return pd.DataFrame(columns=[*ID_COLUMNS, *order[1:]])
+    return df.sort_values(order, na_position="first").reset_index(drop=True)
+
+
+def _as_float(x: Any) -> float | None:
+    """A number as float (NaN/inf kept); anything else (a bool too) as ``None``."""
+    return coerce(_FLOAT, x)
+
+
+def _cell(x: Any) -> float | bool | None:
+    """A coerced scalar for a table cell: bools stay bools, numbers become floats."""
+    return x if x is None or isinstance(x, bool) else float(x)
+
+
+_FLOAT = Field("value", float, "a number")
+
+
+def _finite_mean(xs: Iterable[float]) -> float | None:
+    finite = [x for x in xs if math.isfinite(x)]
+    return math.fsum(finite) / len(finite) if finite else None

@@ -1,0 +1,92 @@
+"""Text of the report: numbers formatted once, and untrusted strings made inert once.
+
+Strategy, workload, layer and run names, error messages and file paths come from run records a
+careless or hostile hand may have written. :func:`code` is the one place they enter report text:
+as an inline code span, which neither Markdown (HTML tags, ``$`` math, emphasis) nor the HTML
+renderer of :mod:`analysis.document` (which escapes ``<&>`` first) interprets. Figures turn
+mathtext off instead (:func:`analysis.figures.figure_rc`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+
+#: Longest untrusted string shown in full (the rest is cut with "…").
+MAX_CHARS = 160
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def code(x: object, max_chars: int = MAX_CHARS) -> str:
+    """``x`` as a one-line inline code span: control characters and newlines become spaces,
+    backticks become ``'``, long text is cut; ``?`` for a missing value."""
+    if is_missing(x):
+        return "`?`"
+    s = _CONTROL.sub(" ", str(x)).replace("`", "'").strip() or " "
+    if len(s) > max_chars:
+        s = s[: max_chars - 1] + "…"
+    return f"`{s}`"
+
+
+def is_missing(x: object) -> bool:
+    return x is None or x is pd.NA or (isinstance(x, float) and math.isnan(x))
+
+
+def fmt(x: object, digits: int = 3) -> str:
+    """A number with ``digits`` significant digits; ``–`` for missing/NaN."""
+    if is_missing(x):
+        return "–"
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return str(int(x)) if abs(int(x)) < 10**12 else f"{float(x):.{digits - 1}e}"
+    try:
+        v = float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return code(x)
+    if math.isnan(v):
+        return "–"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e4 or abs(v) < 1e-3:
+        return f"{v:.{digits - 1}e}"
+    return f"{v:.{digits}g}"
+
+
+def pct(v: float, decimals: int = 1) -> str:
+    return "–" if not np.isfinite(v) else f"{100 * v:.{decimals}f}%"
+
+
+def prob(v: float) -> str:
+    return "–" if not np.isfinite(v) else f"{v:.2f}"
+
+
+def fmt_ci(mean: float, lo: float, hi: float, pct_: bool = False, prob_: bool = False) -> str:
+    """``mean [lo, hi]`` (percentages when ``pct_``, two decimals when ``prob_``)."""
+    f = pct if pct_ else prob if prob_ else fmt
+    if not np.isfinite(mean):
+        return "–"
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return f"{f(mean)} [no CI]"
+    return f"{f(mean)} [{f(lo)}, {f(hi)}]"
+
+
+def fmt_p(p: float) -> str:
+    if p is None or not np.isfinite(p):
+        return "–"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def human(n: float) -> str:
+    """1000000 → ``1M`` (parameter counts)."""
+    for div, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "K")):
+        if n >= div:
+            return f"{n / div:g}{suffix}"
+    return f"{n:g}"
+
+
+def is_pct(col: str) -> bool:
+    return col.endswith("_frac") or col.endswith("_frac_mean")

@@ -1,0 +1,195 @@
+"""The verdict: which strategy kept training healthiest, per workload × precision and overall,
+in words the numbers support (see README, "Read the report")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                             NOT_COMPARABLE, WORSE_FEW, min_wilcoxon_p)
+from analysis.tables import BASELINE, PRIMARY, REFERENCE_PRECISION
+from analysis.text import code, fmt, fmt_ci, fmt_p, is_pct, pct
+
+
+PHRASES = {
+    CLEARLY_BETTER: "clearly better than {b}",
+    CLEARLY_WORSE: "clearly worse than {b}",
+    BETTER_FEW: "better than {b} in these seeds, but too few seeds for a significant test",
+    WORSE_FEW: "worse than {b} in these seeds, but too few seeds for a significant test",
+    NO_DIFFERENCE: "no detectable difference from {b}",
+    NOT_COMPARABLE: "not comparable (too few finished runs)",
+}
+
+
+def phrase(reading: str, baseline: str = BASELINE) -> str:
+    """The sentence for a paired ``reading`` (:func:`analysis.paired.reading`) against
+    ``baseline``."""
+    return PHRASES.get(reading, reading).format(b=baseline)
+
+
+def comparison(comps: pd.DataFrame, workload: str, precision: str, strategy: str,
+               metric: str = PRIMARY, baseline: str = BASELINE) -> pd.Series | None:
+    """The row of ``comps`` for one comparison, or ``None``."""
+    c = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
+              & (comps["strategy"] == strategy) & (comps["metric"] == metric)
+              & (comps["baseline"] == baseline)]
+    return None if c.empty else c.iloc[0]
+
+
+def evidence(c: pd.Series) -> str:
+    """``n seeds paired: Δ = … [lo, hi], P(lower) = …, t p (Holm) = …, Wilcoxon p = …``."""
+    return (f"{int(c.n_pairs)} paired seeds: Δ = "
+            f"{fmt_ci(c.paired_diff, c.paired_diff_lo, c.paired_diff_hi)}, P(lower) = "
+            f"{fmt_ci(c.p_better, c.p_better_lo, c.p_better_hi, prob_=True)}, paired t p "
+            f"(Holm) = {fmt_p(c.paired_t_p_holm)}, Wilcoxon p = {fmt_p(c.wilcoxon_p)}")
+
+
+def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd.DataFrame,
+                  comps: pd.DataFrame) -> str:
+    cell_s = summary[(summary["workload"] == workload) & (summary["precision"] == precision)]
+    cell_r = ranks[(ranks["workload"] == workload) & (ranks["precision"] == precision)]
+    ranked = cell_r.dropna(subset=["rank"])
+    where = f"**{code(workload)} at {code(precision)}**"
+    if ranked.empty:
+        return f"{where}: no strategy finished a run — see the run-status table."
+    top = ranked[ranked["rank"] == ranked["rank"].min()]["strategy"].tolist()
+    row = lambda s: cell_s[cell_s["strategy"] == s].iloc[0]  # noqa: E731
+    parts = []
+    names = ", ".join(code(s) for s in top)
+    lead = row(top[0])
+    loss = fmt_ci(lead[f"{PRIMARY}_mean"], lead[f"{PRIMARY}_mean_lo"], lead[f"{PRIMARY}_mean_hi"])
+    if len(top) == 1:
+        parts.append(f"{where}: {code(top[0])} reached the lowest final eval loss, {loss} "
+                     f"(mean [95% CI], {int(lead[f'{PRIMARY}_n'])} seeds).")
+    else:
+        parts.append(f"{where}: {names} are tied for the lowest final eval loss (their 95% "
+                     f"intervals overlap; best mean {loss}).")
+    for s in top:
+        c = comparison(comps, workload, precision, s)
+        if s != BASELINE and c is not None:
+            parts.append(f"{code(s)} vs `{BASELINE}`: {phrase(c.reading)} ({evidence(c)}).")
+        r = comparison(comps, workload, precision, s, baseline=REFERENCE_PRECISION)
+        if r is not None and r.reading != NOT_COMPARABLE:
+            parts.append(f"{code(s)} vs the fp32 run of the same seed: "
+                         f"{phrase(r.reading, REFERENCE_PRECISION)} ({evidence(r)}).")
+    worse = []
+    for s in ranked["strategy"]:
+        c = comparison(comps, workload, precision, s)
+        if s not in top and c is not None and c.reading in (CLEARLY_WORSE, WORSE_FEW):
+            worse.append(f"{code(s)} ({phrase(c.reading)}; {evidence(c)})")
+    if worse:
+        parts.append(f"Worse than `{BASELINE}` on final eval loss: " + ", ".join(worse) + ".")
+    others = []
+    for col, noun in (("act_zero_frac_mean", "activation-gradient zeros"),
+                      ("skipped_steps", "skipped steps")):
+        rows = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
+                     & (comps["metric"] == col) & (comps["baseline"] == BASELINE)]
+        for _, c in rows.iterrows():
+            if c.reading in (CLEARLY_BETTER, CLEARLY_WORSE):
+                f = pct if is_pct(col) else fmt
+                more = "fewer" if c.reading == CLEARLY_BETTER else "more"
+                others.append(f"{code(c.strategy)} {more} {noun} ({f(c['mean'])} vs "
+                              f"{f(c.base_mean)})")
+    if others:
+        parts.append(f"Clearly different from `{BASELINE}` besides loss: " + "; ".join(others)
+                     + ".")
+    costs = []
+    for s in dict.fromkeys([*top, BASELINE]):
+        if s not in set(cell_s["strategy"]):
+            continue
+        r = row(s)
+        c = "strategy_overhead_frac_mean"
+        overhead = fmt_ci(r[c], r[f"{c}_lo"], r[f"{c}_hi"], pct_=True)
+        costs.append(f"{code(s)} skipped {fmt(r['skipped_steps_mean'])} steps and spent "
+                     f"{overhead} of step time in the strategy")
+    if costs:
+        parts.append("Cost: " + "; ".join(costs) + ".")
+    bad = cell_s[(cell_s["n_diverged"] + cell_s["n_failed"] + cell_s["n_other"]) > 0]
+    for _, r in bad.iterrows():
+        what = [f"{word} in {int(r[col])}" for col, word in (
+            ("n_diverged", "diverged"), ("n_failed", "failed"),
+            ("n_other", "stopped otherwise (see Run status)")) if r[col]]
+        parts.append(f"{code(r['strategy'])} {' and '.join(what)} of {int(r['n_runs'])} runs.")
+    return " ".join(parts)
+
+
+def _nanmean(col: pd.Series) -> float:
+    v = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
+    v = v[np.isfinite(v)]
+    with np.errstate(all="ignore"):
+        return float(v.mean()) if v.size else float("nan")
+
+
+def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
+                    comps: pd.DataFrame | None = None) -> str:
+    """One paragraph: which strategy keeps training healthiest and at what cost.
+
+    Health, in this order: fewest diverged runs; most often in the top tier of final eval loss
+    (over the reduced-precision workload×precision cells); fewest skipped steps; smallest
+    activation-gradient zero fraction (the underflow loss scaling exists to prevent). Cost: the
+    strategy's share of step time. When no strategy beat ``native`` on final eval loss in any
+    cell (the interval of P(lower loss) above 0.5), the paragraph opens by saying so — the pick
+    is then made by the secondary criteria among strategies the seeds cannot separate."""
+    low = ranks[ranks["precision"] != REFERENCE_PRECISION].dropna(subset=["rank"])
+    if low.empty:
+        return ("**Verdict:** no reduced-precision strategy finished a run, so nothing can be "
+                "compared — see the run-status table.")
+    cells = low.groupby(["workload", "precision"]).ngroups
+    tier1 = low[low["rank"] == low.groupby(["workload", "precision"])["rank"].transform("min")]
+    s_low = summary[summary["precision"] != REFERENCE_PRECISION]
+    board = pd.DataFrame([{
+        "strategy": strat,
+        "diverged": int(g["n_diverged"].sum()),
+        "top": int((tier1["strategy"] == strat).sum()),
+        "skipped": _nanmean(g["skipped_steps_mean"]),
+        "zeros": _nanmean(g["act_zero_frac_mean_mean"]),
+        "overhead": _nanmean(g["strategy_overhead_frac_mean"]),
+    } for strat, g in s_low.groupby("strategy")])
+    board = board.sort_values(["diverged", "top", "skipped", "zeros", "overhead"],
+                              ascending=[True, False, True, True, True], na_position="last")
+    best = board.iloc[0]
+
+    winners: list[str] = []
+    comparable = False
+    if comps is not None and not comps.empty:
+        loss = comps[(comps["metric"] == PRIMARY) & (comps["baseline"] == BASELINE)
+                     & (comps["precision"] != REFERENCE_PRECISION)]
+        comparable = bool((loss["reading"] != NOT_COMPARABLE).any())
+        winners = sorted(set(loss[loss["reading"].isin([CLEARLY_BETTER, BETTER_FEW])]["strategy"]))
+    text = "**Verdict:** "
+    if comparable and not winners:
+        text += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
+                 "any comparison (every paired reading is 'no detectable difference' or worse). "
+                 "Judged also by divergence, skipped steps and underflow, ")
+    elif winners:
+        text += (f"beating `{BASELINE}` on final eval loss in at least one comparison: "
+                 + ", ".join(code(w) for w in winners) + ". Overall, ")
+
+    def health(r: pd.Series) -> str:
+        return (f"top tier for final eval loss in {r['top']} of {cells}, "
+                + ("no diverged run" if r["diverged"] == 0 else f"{r['diverged']} diverged run(s)")
+                + f", {fmt(r['skipped'])} skipped steps per run, {pct(r['zeros'])} "
+                  f"activation-gradient zeros, strategy overhead {pct(r['overhead'])} of step time")
+
+    text += (f"{code(best['strategy'])} kept training healthiest in this sweep "
+             f"({cells} workload×precision comparison{'s' if cells != 1 else ''}): {health(best)}")
+    base = board[board["strategy"] == BASELINE]
+    if not base.empty and best["strategy"] != BASELINE:
+        text += f" — `{BASELINE}`: {health(base.iloc[0])}"
+    text += "."
+    ties = board[(board["top"] == best["top"]) & (board["diverged"] == best["diverged"])
+                 & (board["strategy"] != best["strategy"])]
+    if not ties.empty:
+        text += (" Equally often in the top tier: " + ", ".join(code(s) for s in ties["strategy"])
+                 + " — the order among them comes from skipped steps, underflow and overhead.")
+    counts = s_low[f"{PRIMARY}_n"]
+    n_seeds = int(counts[counts > 0].min()) if (counts > 0).any() else 0
+    if 0 < n_seeds < 6:
+        text += (f" With only {n_seeds} seeds per strategy every interval here is wide and "
+                 "optimistic (with 3 seeds a nominal 95% bootstrap interval covers the true mean "
+                 "only about seven times in ten) and the smallest two-sided Wilcoxon "
+                 f"signed-rank p over {n_seeds} paired seeds is {min_wilcoxon_p(n_seeds):.2g}: "
+                 "a call of 'clearly' then rests on the paired t-test with every seed agreeing; "
+                 "read differences that are not large and consistent as unresolved.")
+    return text
