@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from experiments.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
 from strategies.boundaries import Boundaries, Trace, layers
 
 __all__ = ["Precision", "BoundaryHooks", "quantize_dequantize", "HIST_LO", "HIST_BINS"]
@@ -75,7 +76,9 @@ class Precision:
 
     ``autocast``: the forward's autocast dtype (``None`` = plain fp32); ``grad_format``: the fp8
     format activation gradients are quantised to at layer boundaries (``None`` = no simulation);
-    ``max`` / ``smallest_normal``: the range of the format the activation gradients live in.
+    ``max`` / ``smallest_normal``: the range of the format the activation gradients live in;
+    ``cast_scaling`` (``none`` | ``current`` | ``delayed``, with ``history_len`` and ``margin``)
+    and ``rounding`` (``nearest`` | ``stochastic``): the fp8 quantiser (:mod:`experiments.fp8`).
     """
 
     name: str
@@ -83,6 +86,10 @@ class Precision:
     grad_format: torch.dtype | None
     max: float
     smallest_normal: float
+    cast_scaling: str = "none"
+    rounding: str = "nearest"
+    history_len: int = 1024
+    margin: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Precision":
@@ -100,25 +107,24 @@ class Precision:
         mx, sn = float(cfg.get("max", 0.0)), float(cfg.get("smallest_normal", 0.0))
         if not (mx > 0 and 0 < sn < mx):
             raise ValueError(f"precision.max and precision.smallest_normal must satisfy 0 < smallest_normal < max, got {sn}, {mx}")
-        return cls(name, autocast, grad_format, mx, sn)
+        fp8 = {k: cfg.get(k, d) for k, d in (("cast_scaling", "none"), ("rounding", "nearest"),
+                                                 ("history_len", 1024), ("margin", 0))}
+        for key, allowed in (("cast_scaling", CAST_SCALINGS), ("rounding", ROUNDINGS)):
+            if fp8[key] not in allowed:
+                raise ValueError(f"precision.{key} must be one of {', '.join(allowed)}, got {fp8[key]!r}")
+        for key, low in (("history_len", 1), ("margin", 0)):
+            if isinstance(fp8[key], bool) or not isinstance(fp8[key], int) or fp8[key] < low:
+                raise ValueError(f"precision.{key} must be an integer >= {low}, got {fp8[key]!r}")
+        if grad_format is None and (fp8["cast_scaling"] != "none" or fp8["rounding"] != "nearest"):
+            raise ValueError(f"precision.cast_scaling and precision.rounding apply to the fp8 modes only, "
+                             f"not to {name}")
+        return cls(name, autocast, grad_format, mx, sn, **fp8)
 
     def autocast_context(self, device: torch.device) -> contextlib.AbstractContextManager:
         """``torch.autocast(device.type, dtype)`` for low-precision modes; a null context for fp32."""
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast)
-
-
-def quantize_dequantize(g: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """``g`` rounded to the fp8 format ``fmt`` and cast back to ``g.dtype``.
-
-    e5m2 overflows to ``±inf`` (torch's cast); e4m3fn saturates finite values at ``±448``
-    (torch's cast) while non-finite inputs are kept (see the module docstring).
-    """
-    q = g.to(fmt).to(g.dtype)
-    if fmt == torch.float8_e4m3fn:
-        q = torch.where(torch.isfinite(g), q, g)
-    return q
 
 
 class BoundaryHooks:
@@ -137,7 +143,7 @@ class BoundaryHooks:
     ``read()`` returns them as Python numbers — the only host sync, done on logging steps.
     """
 
-    def __init__(self, model: nn.Module, precision: Precision) -> None:
+    def __init__(self, model: nn.Module, precision: Precision, seed: int = 0) -> None:
         self.names: list[str] = layers(model)
         if not self.names:
             raise ValueError(f"{type(model).__name__} has no layer boundaries (no child module owns parameters)")
@@ -154,9 +160,10 @@ class BoundaryHooks:
         self._handles = [self._boundaries.register(
             "observe", modules, on_grad=self._observe, when=lambda: self.enabled and self.measure)]
         if precision.grad_format is not None:
-            fmt = precision.grad_format
+            quantize = CastScaler(precision.grad_format, precision.max, precision.cast_scaling, precision.rounding,
+                                  precision.history_len, precision.margin, seed)
             self._handles.append(self._boundaries.register(
-                "quantize", modules, on_grad=lambda trace, i, g: quantize_dequantize(g, fmt),
+                "quantize", modules, on_grad=lambda trace, i, g: quantize(self._name_of[id(trace.calls[i])], g),
                 when=lambda: self.enabled))
 
     def _observe(self, trace: Trace, i: int, g: torch.Tensor) -> None:
