@@ -15,9 +15,12 @@ YAMLS = sorted(CONF.glob("*.yaml"))
 
 
 def keywords(path: Path) -> tuple[str, dict]:
-    cfg = OmegaConf.load(path)
-    assert cfg._target_ == "strategies.create"
-    return cfg.name, {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("_target_", "name")}
+    """The YAML's keywords, resolved as in the app (a strategy may read the precision group)."""
+    root = OmegaConf.create({"precision": OmegaConf.load(CONF.parent / "precision" / "fp16.yaml"),
+                             "strategy": OmegaConf.load(path)})
+    cfg = OmegaConf.to_container(root, resolve=True)["strategy"]
+    assert cfg["_target_"] == "strategies.create"
+    return cfg["name"], {k: v for k, v in cfg.items() if k not in ("_target_", "name")}
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=[p.stem for p in YAMLS])

@@ -1,0 +1,135 @@
+"""``underflow_target``: place S from the measured exponent histogram of the activation gradients.
+
+Rule (seed 003 §5.3: scaling "based on the gradient histogram rather than only max or norm";
+the target rate is AdaLoss's, Zhao et al. 2019, arXiv 1910.12385). :meth:`attach` observes the
+activation gradients at the model's layer boundaries (:mod:`strategies.boundaries`, stage
+``"observe"``: what the layer below receives) and counts, on the device, the exponents
+``e = floor(log2 |g|)`` of their nonzero finite entries — at the current scale S. At
+:meth:`update`, with ``h[e]`` those counts, ``N`` their sum, ``e_min = log2(smallest_normal)``
+and ``cdf[j] = sum_{e <= j} h[e]``:
+
+* scaling by ``2^k`` moves every exponent by k, so the fraction of entries left below the
+  smallest normal is ``cdf[e_min - 1 - k] / N``; the least k that keeps it ``<= target`` is
+  ``k_under = e_min - 1 - j*`` with ``j* = max{j : cdf[j] <= target N}``;
+* the largest entry stays ``<= target_max`` for ``k <= k_over = log2(target_max) - 1 - e_max``
+  (``e_max`` the largest exponent seen);
+* ``S <- S * 2^min(k_under, k_over)``: the *smallest* scale that meets the underflow target
+  (the most headroom against overflow — AdaLoss's choice: the least scale that rescues the
+  underflow, bounded by overflow); when both cannot hold, overflow safety wins. S stays a power
+  of two times ``init_scale``; k is clamped to ``[-max_shift, max_shift]``.
+
+A non-finite step is skipped and S × backoff_factor (the histogram is discarded). A step whose
+observed activation gradients are all zero is read as total underflow: S × growth_factor. Not
+attached (nothing observed): S is kept, with one warning — the measured counterpart of AdaLoss's
+Gaussian estimate needs the layers. Cost: one exponent histogram (a read of every activation
+gradient, ``frexp`` + ``bincount``) per boundary per backward, on the device, no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from strategies import validation as v
+from strategies.base import Strategy
+from strategies.boundaries import Boundaries, layers
+from strategies.params import ScalerParams, hp
+from strategies.registry import register_strategy
+from strategies.state import State
+from strategies.stats import GradStats
+
+E_LO, E_BINS = -150, 280  # exponent bins floor(log2|g|) = -150 .. 129 cover every float32 value
+
+
+def exponent_histogram(g: torch.Tensor) -> torch.Tensor:
+    """Counts of ``floor(log2|g|)`` over the nonzero finite entries of ``g`` (bin i: exponent E_LO + i)."""
+    x = g.detach().float().flatten()
+    x = x[(x != 0) & torch.isfinite(x)]
+    _, e = torch.frexp(x)
+    return torch.bincount((e.to(torch.int64) - 1 - E_LO).clamp_(0, E_BINS - 1), minlength=E_BINS)
+
+
+def underflow_target_update_(
+    scale: torch.Tensor,
+    exp_hist: torch.Tensor,
+    found_inf: torch.Tensor,
+    target: float,
+    target_max: float,
+    smallest_normal: float,
+    growth_factor: float,
+    backoff_factor: float,
+    max_shift: int,
+    observed: bool,
+) -> None:
+    """The rule, in place on the device (no host sync); clears ``exp_hist`` (float32 counts)."""
+    h = exp_hist.double()
+    n = h.sum()
+    bins = torch.arange(E_BINS, device=h.device, dtype=torch.float64) + E_LO
+    cdf = h.cumsum(0)
+    e_min = math.floor(math.log2(smallest_normal))
+    j_star = torch.where(cdf <= target * n, bins, torch.full_like(bins, E_LO - 1)).amax()
+    k_under = e_min - 1 - j_star
+    e_max = torch.where(h > 0, bins, torch.full_like(bins, E_LO)).amax()
+    k_over = math.floor(math.log2(target_max)) - 1 - e_max
+    k = torch.minimum(k_under, k_over).clamp(-max_shift, max_shift)
+    placed = (scale.double() * torch.exp2(k)).float()
+    grown = (scale * growth_factor).float() if observed else scale
+    new = torch.where(found_inf > 0, (scale * backoff_factor).float(), torch.where(n > 0, placed, grown))
+    scale.copy_(torch.where(torch.isfinite(new) & (new > 0), new, scale))
+    exp_hist.zero_()
+
+
+@dataclass
+class UnderflowTargetParams(ScalerParams):
+    target: float = hp(1e-3, v.between(0.0, 1.0, "[)"), "AdaLoss (Zhao et al. 2019): underflow rate 1e-3",
+                       "largest fraction of nonzero activation-gradient entries left below the smallest normal")
+    target_max: float = hp(32768.0, v.finite_positive, "seed 003 §4.6", "the largest scaled entry stays at or below")
+    smallest_normal: float = hp(2.0**-14, v.finite_positive, "IEEE fp16 (2^-6 for fp8 e4m3)",
+                                "smallest normal value of the activation-gradient format")
+    max_shift: int = hp(32, v.integer(1), "scalelab", "largest move of log2 S per update")
+
+    def check(self) -> None:
+        super().check()
+        if self.target_max <= self.smallest_normal:
+            v.fail("target_max", f"> smallest_normal ({self.smallest_normal:g})", self.target_max)
+
+
+@register_strategy("underflow_target")
+class UnderflowTargetStrategy(Strategy):
+    """S placed from the on-device exponent histogram of the activation gradients so that at most
+    ``target`` of them fall below the smallest normal (module docstring). ``attach(model)``."""
+
+    Params = UnderflowTargetParams
+    state_spec = (State("exp_hist", torch.float32, 0.0, saved=False, length=E_BINS),)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._handle = None
+        self._warned = False
+
+    def attach(self, model: torch.nn.Module) -> "UnderflowTargetStrategy":
+        self.detach()
+        modules = [model.get_submodule(name) for name in layers(model)] or [model]
+        self._handle = Boundaries.of(model).register("observe", modules, on_grad=self._observe)
+        return self
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _observe(self, trace: object, i: int, g: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state.exp_hist.add_(exponent_histogram(g).to(self.state.exp_hist))
+
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        if self._handle is None and not self._warned:
+            warnings.warn("underflow_target: not attached (attach(model)) — no activation gradients observed; "
+                          "the scale only backs off on overflow", stacklevel=3)
+            self._warned = True
+        p, s = self.params, self.state
+        underflow_target_update_(s.scale, s.exp_hist, found_inf, p.target, p.target_max, p.smallest_normal,
+                                 p.growth_factor, p.backoff_factor, p.max_shift, self._handle is not None)
