@@ -58,7 +58,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from strategies import kernels, layer_groups
+from strategies import adaloss, kernels, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, Trace
@@ -69,7 +69,17 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
-RULES = ("max_ema", "backoff_growth")
+RULES = ("max_ema", "backoff_growth", "adaloss")
+"""Per-group rules. ``adaloss`` (strategies/adaloss.py) runs in Python: it has no kernel yet."""
+
+
+def overflow_origin(found_inf: torch.Tensor, group_found_inf: torch.Tensor, emitted: torch.Tensor,
+                    contaminated: torch.Tensor) -> torch.Tensor:
+    """The groups an overflow is attributed to on a skipped step (bool [G]): own gradients or an
+    emitted gradient non-finite, and not contaminated from above; every group if none qualifies."""
+    skip = found_inf > 0
+    blamed = ((group_found_inf > 0) | (emitted > 0)) & ~(contaminated > 0) & skip
+    return blamed | (skip & ~blamed.any())
 
 
 def layerwise_update_(
@@ -118,8 +128,7 @@ def layerwise_update_(
     New scales are rounded down to powers of two and clamped.
     """
     skip = found_inf > 0
-    blamed = ((group_found_inf > 0) | (emitted > 0)) & ~(contaminated > 0) & skip
-    blamed = blamed | (skip & ~blamed.any())
+    blamed = overflow_origin(found_inf, group_found_inf, emitted, contaminated)
     frozen = (skip & ~blamed) | (group_numel == 0)
     old = [t.clone() for t in (scales, growth_trackers, ema, ema_steps, hysteresis)]
     if rule == "max_ema":
@@ -153,12 +162,16 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
                                         "None = 1 for rule max_ema, 2000 for rule backoff_growth")
     groups: Optional[List[str]] = hp(None, v.patterns, "scalelab",
                                      "fnmatch patterns over module names, one group per pattern (None = the layers)")
-    rule: str = hp("max_ema", v.choice(*RULES), "seed 003 §3.3", "the per-group rule")
+    rule: str = hp("max_ema", v.choice(*RULES), "seed 003 §3.3; AdaLoss", "the per-group rule")
+    underflow_rate: float = hp(1e-3, v.between(0.0, 1.0), "AdaLoss n_uf_threshold", "adaloss: target underflow rate")
+    format_min: float = hp(6.0e-8, v.finite_positive, "AdaLoss u_min (fp16)", "adaloss: smallest value of the format")
+    layer_cap: float = hp(16.0, v.above(1.0), "AdaLoss scale_upper_bound", "adaloss: largest factor per group")
+    total_cap: float = hp(1024.0, v.above(1.0), "AdaLoss accum_upper_bound", "adaloss: largest cumulative scale")
 
     def check(self) -> None:
         super().check()
         if self.growth_interval is None:
-            self.growth_interval = 1 if self.rule == "max_ema" else 2000
+            self.growth_interval = 2000 if self.rule == "backoff_growth" else 1
         if not _is_pow2(self.init_scale):  # any positive finite scale, as GradScaler takes (3.0, 1e38)
             rounded = 2.0 ** math.floor(math.log2(self.init_scale))
             warnings.warn(f"layerwise: init_scale {self.init_scale!r} rounded down to the power of two {rounded!r} "
@@ -175,6 +188,10 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
         lo = None if self.min_scale is None else 2.0 ** math.ceil(math.log2(self.min_scale))
         hi = None if self.max_scale is None else 2.0 ** math.floor(math.log2(self.max_scale))
         return lo, hi
+
+
+def _adaloss(params: LayerwiseParams) -> bool:
+    return params.rule == "adaloss"
 
 
 def _per_group(name: str, dtype: torch.dtype, init: float, saved: bool = True, low: float | None = None) -> State:
@@ -198,6 +215,7 @@ class LayerwiseStrategy(Strategy):
         _per_group("overflow_origin", torch.float32, 0.0, saved=False),
         _per_group("emitted", torch.float32, 0.0, saved=False),
         _per_group("contaminated", torch.float32, 0.0, saved=False),
+        *(State(n, torch.float32, 0.0, per_group=True, saved=False, when=_adaloss) for n in ("ada_g2", "ada_n", "ada_gmax")),
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -205,6 +223,7 @@ class LayerwiseStrategy(Strategy):
         self._group_names: list[str] = ["all"]
         self._param_group: dict[int, int] = {}
         self._module_group: dict[int, int] = {}
+        self._weights: list[list[torch.Tensor]] = [[]]  # per group, for rule adaloss
         self._handle: Any = None
         self._generation = 0
         self._called: set[int] = set()
@@ -243,6 +262,7 @@ class LayerwiseStrategy(Strategy):
         self._group_names = [n for n, _ in resolved]
         self._param_group = param_group
         self._module_group = {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods}
+        self._weights = [list({id(p): p for m in mods for p in m.parameters()}.values()) for _, mods in resolved]
         self._generation += 1
         self._chain_checked = len(resolved) < 2
         self.regroup_()
@@ -267,7 +287,7 @@ class LayerwiseStrategy(Strategy):
         self._called = set()
         if self.num_groups > 1 or self._param_group:
             self._group_names = ["all"]
-            self._param_group, self._module_group = {}, {}
+            self._param_group, self._module_group, self._weights = {}, {}, [[]]
             self.regroup_()
 
     # ------------------------------------------------------------------ forward / backward
@@ -297,9 +317,11 @@ class LayerwiseStrategy(Strategy):
         a = calls[i]
         later = [g for g in calls[i + 1:] if g >= 0]
         b = later[0] if later else ([g for g in calls if g >= 0][-1] if trace.finished else self.output_group)
+        s = self.state
+        if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
+            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
         if a == b:
             return None
-        s = self.state
         bad = (~torch.isfinite(grad)).any().float()
         s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
         s.emitted[b] = torch.maximum(s.emitted[b], bad)
@@ -332,6 +354,17 @@ class LayerwiseStrategy(Strategy):
         assert stats is not None
         p, s = self.params, self.state
         lo, hi = p.pow2_bounds
+        if p.rule == "adaloss":
+            blamed = overflow_origin(found_inf, stats.found_inf, s.emitted, s.contaminated)
+            adaloss.adaloss_update_(s.scale, blamed, found_inf, s.ada_g2, s.ada_n, s.ada_gmax,
+                                    *adaloss.weight_stats(self._weights, s.scale.device), p.underflow_rate,
+                                    p.format_min, p.format_max, p.layer_cap, p.total_cap, p.backoff_factor)
+            if lo is not None or hi is not None:
+                s.scale.clamp_(min=lo, max=hi)
+            s.overflow_origin.copy_(blamed.float())
+            for t in (s.ada_g2, s.ada_n, s.ada_gmax, s.contaminated, s.emitted):
+                t.zero_()
+            return
         kernels.dispatch("layerwise_update_", layerwise_update_, s.scale, s.growth_tracker, s.ema, s.ema_steps,
                          s.hysteresis, s.candidate, s.overflow_origin, found_inf, stats.found_inf, stats.absmax,
                          stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,

@@ -306,7 +306,7 @@ def test_group_patterns_and_coverage_errors() -> None:
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(rule="ema"), "rule must be one of 'max_ema', 'backoff_growth', got 'ema'"),
+        (dict(rule="ema"), "rule must be one of 'max_ema', 'backoff_growth', 'adaloss', got 'ema'"),
         (dict(groups="0"), "groups must be a list of fnmatch patterns (strings) or None, got '0'"),
         (dict(min_scale=5.0, max_scale=7.0), "max_scale must be a bound leaving a power of two in [min_scale=5, max_scale], got 7.0"),
         (dict(target_max=1e6), "target_max must be <= format_max (65504), got 1000000.0"),
