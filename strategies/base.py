@@ -279,11 +279,12 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
                 del optimizer.found_inf  # type: ignore[attr-defined]
         else:
             retval = None
-            fault = [state.fault.double()] if "fault" in state.specs else []
-            read = torch.stack([t.to(state.scale.device, non_blocking=True).double() for t in found.values()]
-                               + fault).tolist()  # the one host read: found_inf per device (and the fault)
-            if fault:
+            if "fault" in state.specs:  # the one host read: found_inf per device and the fault
+                read = torch.stack([t.to(state.scale.device, non_blocking=True).double() for t in found.values()]
+                                   + [state.fault.double()]).tolist()
                 raise_fault(self, int(read.pop()))
+            else:  # GradScaler's own read
+                read = [t.item() for t in found.values()]
             if not sum(read):
                 retval = optimizer.step(*args, **kwargs)
         opt_state["stage"] = OptState.STEPPED
