@@ -8,6 +8,9 @@ for ``torch.amp.GradScaler("cpu")`` and for no scaling (``loss`` + ``opt.step()`
 probe is one fp32 forward+backward every ``probe_interval`` steps, a model-dependent cost that
 the training runs record). ``layerwise`` runs unattached (one group).
 
+(c) hook cost per backward of the attach-based rules and (d) what a fused AdamW saves:
+:mod:`experiments.bench_extra`.
+
 (b) **Statistics pass** — ``strategies.stats.unscale_and_stats`` (the fused op when built) versus
 one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write)
 and versus the plain-torch multi-pass reference ``unscale_and_stats_reference``.
@@ -40,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 import strategies
+from experiments import bench_extra
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
@@ -267,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring {human(size)} parameters in {tensors} tensors ...", file=sys.stderr, flush=True)
             overhead += bench_overhead(size, tensors, names, repeats, args.steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
+        print("measuring hooks and fused AdamW ...", file=sys.stderr, flush=True)
+        hook_rows = bench_extra.bench_hooks(repeats)
+        fused_size = sizes[-1]
+        fused_rows = bench_extra.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
     meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": args.steps,
             "argv": sys.argv[1:] if argv is None else argv}
-    result = {"meta": meta,
-              "overhead": overhead, "stats_pass": stats_rows}
+    result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "fused_adamw": fused_rows}
     print(format_tables(overhead, stats_rows, names))
+    print("\n" + bench_extra.format_hooks(hook_rows) + "\n\n" + bench_extra.format_fused(fused_rows, human(fused_size)))
     la = meta.get("loadavg_1_5_15")
     if la:
         print(f"\nload average (1/5/15 min) before: {load_before}, after: {[round(x, 2) for x in la]}; "

@@ -1,0 +1,100 @@
+"""``scalelab-bench`` sections (c) and (d): what attach-based rules cost per backward, and what a
+fused optimizer saves by unscaling in its own kernel.
+
+(c) **Hook cost per backward** — forward + scaled backward of a fixed MLP (8 x 512-wide layers,
+batch 256), with the strategy attached (its layer-boundary transforms run) and without; the
+difference is the hooks' cost per backward. Only the strategies whose ``attach`` installs hooks.
+
+(d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
+``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
+optimizer unscales in its kernel; the strategy only reads the gradients for its statistics, as
+``torch.amp.GradScaler`` hands ``grad_scale`` over). The difference is the pass saved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import strategies
+
+HOOKED = {"layerwise": {}, "layerwise_adaloss": {"rule": "adaloss", "init_scale": 1.0}, "underflow_target": {}}
+
+
+def _median_ms(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def bench_hooks(repeats: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
+                                torch.nn.Linear(512, 1))
+    x, y = torch.randn(256, 512), torch.randn(256, 1)
+    rows = []
+    for label, kw in HOOKED.items():
+        name = "layerwise" if label.startswith("layerwise") else label
+        plain = strategies.create(name, **kw)
+        hooked = strategies.create(name, **kw).attach(model)
+
+        def backward(s: Any) -> None:
+            model.zero_grad(set_to_none=True)
+            s.scale(F.mse_loss(model(x), y)).backward()
+
+        hooked.detach()
+        t_plain = _median_ms(lambda: backward(plain), repeats)
+        hooked.attach(model)
+        t_hooked = _median_ms(lambda: backward(hooked), repeats)
+        hooked.detach()
+        rows.append({"strategy": label, "backward_ms": t_plain, "hooked_ms": t_hooked,
+                     "hook_ms": t_hooked - t_plain, "ratio": t_hooked / t_plain})
+    return rows
+
+
+def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],
+                repeats: int) -> list[dict[str, Any]]:
+    opt = torch.optim.AdamW(params, lr=0.0, fused=True)
+    loss = torch.ones((), requires_grad=True)
+    rows = []
+    for name in names:
+        if name == "none":
+            continue
+        scaler = torch.amp.GradScaler("cpu") if name == "GradScaler" else strategies.create(name, device="cpu")
+
+        def run(unscale_first: bool) -> None:
+            torch._foreach_copy_([p.grad for p in params], master)
+            scaler.scale(loss)
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+
+        t_sep = _median_ms(lambda: run(True), repeats)
+        t_fused = _median_ms(lambda: run(False), repeats)
+        rows.append({"strategy": name, "unscale_then_step_ms": t_sep, "fused_ms": t_fused, "saved_ms": t_sep - t_fused})
+    return rows
+
+
+def format_hooks(rows: list[dict[str, Any]]) -> str:
+    lines = ["(c) layer-boundary hooks: forward + scaled backward of an 8 x 512 MLP (batch 256), median ms",
+             "", f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'hooks':>10}{'ratio':>9}", "  " + "-" * 59]
+    lines += [f"  {r['strategy']:<20}{r['backward_ms']:>10.3f}{r['hooked_ms']:>12.3f}{r['hook_ms']:>10.3f}"
+              f"{r['ratio']:>8.2f}x" for r in rows]
+    return "\n".join(lines)
+
+
+def format_fused(rows: list[dict[str, Any]], size: str) -> str:
+    lines = [f"(d) AdamW(fused=True) at {size}: unscale_() then step vs the optimizer unscaling itself, median ms",
+             "", f"  {'strategy':<20}{'unscale_+step':>15}{'fused':>10}{'saved':>10}", "  " + "-" * 55]
+    lines += [f"  {r['strategy']:<20}{r['unscale_then_step_ms']:>15.3f}{r['fused_ms']:>10.3f}{r['saved_ms']:>10.3f}"
+              for r in rows]
+    return "\n".join(lines)
