@@ -23,7 +23,7 @@ from typing import Any
 import hydra.utils
 import torch
 from hydra.errors import CompactHydraException, InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import strategies
 from experiments import data as _data
@@ -206,9 +206,12 @@ def validate(cfg: DictConfig) -> None:
     check_targets(resolved, "")
     _optimizer_values(resolved["optimizer"])
     _int(cfg, "seed", 0)
+    tags = cfg.get("tags")
+    if not isinstance(tags, ListConfig) or not all(isinstance(t, str) for t in tags):
+        raise ConfigError(f"tags must be a list of strings, got {tags!r}")
     threads = cfg.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads must be null or an integer >= 1, got {threads!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
+        raise ConfigError(f"threads must be null or an integer in [1, 1024], got {threads!r}")
     steps = _int(cfg, "train.steps", 1)
     _int(cfg, "train.batch_size", 1)
     _int(cfg, "train.log_every", 1)
@@ -222,7 +225,9 @@ def validate(cfg: DictConfig) -> None:
     _float(cfg, "regime.loss_multiplier", 1e-12, 1e6)
     _float(cfg, "regime.spike_factor", 0.0, 1e12, low_open=True)
     spikes = OmegaConf.select(cfg, "regime.spike_steps")
-    if spikes is None or not all(isinstance(s, int) and 1 <= s <= steps for s in spikes):
+    if not isinstance(spikes, ListConfig) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= steps for s in spikes
+    ):
         raise ConfigError(f"regime.spike_steps must be a list of steps in [1, train.steps={steps}], got {spikes}")
     kill = OmegaConf.select(cfg, "train.kill_at_step")
     if kill is not None and (not isinstance(kill, int) or kill < 1):
@@ -236,7 +241,7 @@ def validate(cfg: DictConfig) -> None:
 def build_precision(cfg: DictConfig) -> Precision:
     try:
         return Precision.from_config(OmegaConf.to_container(cfg.precision, resolve=True))  # type: ignore[arg-type]
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ConfigError(one_line(exc)) from None
 
 

@@ -66,9 +66,12 @@ def instantiate_loggers(logger_cfg: DictConfig | dict, run: RunInfo) -> list[Log
             # (it holds the other groups' _target_s).
             make = safe_instantiate(node, f"logger.{key}", _convert_="all", _partial_=True)
             try:
-                loggers.append(make(run=run))
+                logger = make(run=run)
             except (ValueError, TypeError) as exc:
                 raise ConfigError(f"logger.{key}: {one_line(exc)}") from None
+            if not all(callable(getattr(logger, m, None)) for m in ("log", "finish")):
+                raise ConfigError(f"logger.{key}._target_ must build a logger (log() and finish()), got {type(logger).__name__}")
+            loggers.append(logger)
     return loggers
 
 
