@@ -39,8 +39,6 @@ __all__ = [
     "redact",
 ]
 
-METRICS_NAME = schema.METRICS_NAME
-SUMMARY_NAME = schema.SUMMARY_NAME
 _LINE_FIELDS = {schema.KIND_TRAIN: schema.TRAIN_FIELDS, schema.KIND_EVAL: schema.EVAL_FIELDS,
                 schema.KIND_FIDELITY: schema.FIDELITY_FIELDS}
 _SECRET = re.compile(r"(api[_-]?key|token|secret|password|passwd)", re.IGNORECASE)
