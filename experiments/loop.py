@@ -136,12 +136,13 @@ def _resume_and_train(cfg: DictConfig, rundir: RunDir, overrides: list[str], inf
         diff = config_diff(recorded, resolved)
         if diff:
             raise ConfigError(f"run directory {rundir.path} holds another run, whose configuration differs in {diff}; {restart}")
-    if state is not None:
-        done = state.get("status") == "completed" and state["step"] >= int(tcfg.steps)
-        if done or state.get("status") in ("diverged", "stalled"):
-            # Re-running a finished run changes nothing (raise train.steps to continue a completed one).
-            _say(f"{rundir.path} already {state['status']} at step {state['step']}")
-            return records.read_json(rundir.path / schema.SUMMARY_NAME)
+    # Re-running a finished run changes nothing (raise train.steps to continue a completed one);
+    # without a checkpoint (train.checkpoint_every=0) the summary says whether it finished.
+    last = state if state is not None else records.read_json(rundir.path / schema.SUMMARY_NAME) if resume else {}
+    status, at = last.get("status"), last.get("step", last.get("steps"))
+    if status in ("diverged", "stalled") or (status == "completed" and isinstance(at, int) and at >= int(tcfg.steps)):
+        _say(f"{rundir.path} already {status} at step {at}")
+        return records.read_json(rundir.path / schema.SUMMARY_NAME)
 
     prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     if tcfg.get("deterministic", False):
@@ -229,7 +230,7 @@ def _train(
     loggers: list = []
 
     def make_summary(status: str, error: str | None) -> dict:
-        rows = records.read_metrics(metrics_path) if main else []
+        rows = records.read_metrics(metrics_path)  # every rank: rank 0's record (shared file system)
         return {"status": status, "error": error, **head, **records.summarize(rows, counters),
                 "diverged": status == "diverged", "fingerprint": fingerprint}
 

@@ -70,6 +70,15 @@ def test_keys_that_do_not_change_the_run_may_change_on_resume(tmp_path: Path) ->
     assert config_diff({"train": {"steps": 1}, "logger": {"x": 1}}, {"train": {"steps": 2}, "logger": {}}) == ""
 
 
+def test_a_finished_run_without_checkpoint_is_left_alone(tmp_path: Path) -> None:
+    first, _ = run_tiny(tmp_path, "train.steps=6", "train.log_every=3", "train.checkpoint_every=0")
+    assert not (tmp_path / schema.CHECKPOINT_NAME).exists()
+    before = {name: (tmp_path / name).read_bytes() for name in (schema.SUMMARY_NAME, schema.METRICS_NAME)}
+    again, _ = run_tiny(tmp_path, "train.steps=6", "train.log_every=3", "train.checkpoint_every=0")
+    assert again == json.loads(json.dumps(first))
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
 def test_a_record_without_a_configuration_is_not_resumed(tmp_path: Path) -> None:
     (tmp_path / schema.METRICS_NAME).write_text('{"kind": "train", "step": 5}\n')
     with pytest.raises(AppError, match="holds a record without a readable configuration; .*train.resume=false"):

@@ -44,8 +44,7 @@ def test_documented_keys_are_the_schemas_fields(fields: dict, start: str, end: s
 def test_documented_statuses_and_file_names_are_the_schemas() -> None:
     text = DOC.read_text()
     status_row = next(line for line in text.splitlines() if line.startswith("| `status` |"))
-    assert set(re.findall(r"`([a-z]+)` \(|`([a-z]+)`,", status_row)) and all(
-        f"`{s}`" in status_row for s in schema.STATUSES)
+    assert all(f"`{s}`" in status_row for s in schema.STATUSES)
     for name in (schema.METRICS_NAME, schema.SUMMARY_NAME, schema.CHECKPOINT_NAME, schema.LOCK_NAME):
         assert f"`{name}`" in text
 
