@@ -15,7 +15,6 @@ with import-time effects is never imported by a config.
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -164,16 +163,20 @@ def _int(cfg: DictConfig, key: str, low: int, note: str = "") -> int:
     return value
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _optimizer_values(node: dict, path: str = "optimizer") -> None:
-    """Every number of the optimizer config (lists included) is finite and >= 0 (lr, betas, eps, ...)."""
+    """Every number of the optimizer config (lists included) is in [0, float32 max] (lr, betas, eps, ...):
+    not NaN, not negative, and not so large that the optimizer's float32 arithmetic overflows."""
     for key, value in node.items():
         where = f"{path}.{key}"
         items = value if isinstance(value, list) else [value]
         for item in items:
             if isinstance(item, (dict, list)):
                 raise ConfigError(f"{where} must be a number or a list of numbers, got {value!r}")
-            if isinstance(item, (int, float)) and not isinstance(item, bool) and not (math.isfinite(item) and item >= 0):
-                raise ConfigError(f"{where} must be a finite number >= 0, got {value!r}")
+            if isinstance(item, (int, float)) and not isinstance(item, bool) and not 0 <= item <= FLOAT32_MAX:
+                raise ConfigError(f"{where} must be a finite number in [0, 3.4e+38] (float32), got {value!r}")
 
 
 def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = False) -> float:

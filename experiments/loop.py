@@ -56,7 +56,7 @@ from experiments.build import (
 from experiments.data import step_generator
 from experiments.loggers import RunInfo, instantiate_loggers
 from experiments.precision import BoundaryHooks
-from experiments.rundir import RunDir, config_diff
+from experiments.rundir import RunDir
 
 __all__ = ["run"]
 
@@ -128,14 +128,8 @@ def _resume_and_train(cfg: DictConfig, rundir: RunDir, overrides: list[str], inf
             state = ckpt.load(ckpt_path)
         except ckpt.CheckpointError as exc:
             raise AppError(str(exc)) from None
-    if resume and rundir.has_record():
-        recorded = rundir.recorded_config(state)
-        restart = f"use another hydra.run.dir, or train.resume=false to start over there (its records are moved to {rundir.path}/{schema.REPLACED_PREFIX}<n>/)"
-        if recorded is None:
-            raise AppError(f"run directory {rundir.path} holds a record without a readable configuration; {restart}")
-        diff = config_diff(recorded, resolved)
-        if diff:
-            raise ConfigError(f"run directory {rundir.path} holds another run, whose configuration differs in {diff}; {restart}")
+    if resume:
+        rundir.check_same_run(resolved, state)
     # Re-running a finished run changes nothing (raise train.steps to continue a completed one);
     # without a checkpoint (train.checkpoint_every=0) the summary says whether it finished.
     last = state if state is not None else records.read_json(rundir.path / schema.SUMMARY_NAME) if resume else {}

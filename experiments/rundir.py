@@ -93,9 +93,15 @@ class RunDir:
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise ConfigError(f"output directory {self.path} is not writable (set hydra.run.dir)")
 
-    def lock(self) -> None:
+    def check_free(self) -> None:
+        """``AppError`` when another process holds this directory's lock (nothing is created)."""
+        if (self.path / schema.LOCK_NAME).is_file():
+            self.lock(create=False)
+            self.release()
+
+    def lock(self, create: bool = True) -> None:
         """Hold ``run.lock`` until :meth:`release` (or process exit); ``AppError`` when another holds it."""
-        fd = os.open(self.path / schema.LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(self.path / schema.LOCK_NAME, (os.O_CREAT if create else 0) | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,8 +111,9 @@ class RunDir:
                 f"run directory {self.path} is in use by another process (pid {holder}); "
                 "wait for it to end or use another hydra.run.dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        if create:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
     def release(self) -> None:
@@ -124,6 +131,19 @@ class RunDir:
         fp = read_json(self.path / schema.SUMMARY_NAME).get("fingerprint")
         config = fp.get("config") if isinstance(fp, dict) else None
         return config if isinstance(config, dict) else None
+
+    def check_same_run(self, config: dict, checkpoint: dict | None) -> None:
+        """Refuse (one line) a directory holding a record of another configuration, or of an unknown one."""
+        if not self.has_record():
+            return
+        recorded = self.recorded_config(checkpoint)
+        restart = (f"use another hydra.run.dir, or train.resume=false to start over there "
+                   f"(its records are moved to {self.path}/{schema.REPLACED_PREFIX}<n>/)")
+        if recorded is None:
+            raise AppError(f"run directory {self.path} holds a record without a readable configuration; {restart}")
+        diff = config_diff(recorded, config)
+        if diff:
+            raise ConfigError(f"run directory {self.path} holds another run, whose configuration differs in {diff}; {restart}")
 
     def generation(self) -> int:
         """How many earlier runs were moved aside here (the current run is generation ``n``)."""

@@ -106,9 +106,9 @@ def preflight(args: list[str]) -> str | None:
     if any(a.startswith("-") for a in args):
         return None  # --multirun, --cfg, --help, ...: Hydra's own paths (each job is checked in run())
     from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
-    from experiments.build import ConfigError, one_line, validate
+    from experiments.build import AppError, one_line, validate
     from experiments.rundir import RunDir
 
     try:
@@ -119,10 +119,18 @@ def preflight(args: list[str]) -> str | None:
         return one_line(exc)[:500]
     with open_dict(cfg):
         del cfg["hydra"]
+    if "${hydra:" in OmegaConf.to_yaml(cfg):
+        return None  # resolves only inside Hydra's job (e.g. ${hydra:runtime.output_dir}): run() checks it
     try:
         validate(cfg)
         RunDir.check_path(run_dir.resolve())
-    except ConfigError as exc:
+        # Before Hydra rewrites .hydra/ of a run in progress or of another run (run() checks again,
+        # with the checkpoint's own record of its configuration).
+        rundir = RunDir(run_dir.resolve())
+        rundir.check_free()
+        if cfg.train.get("resume", True) is True:
+            rundir.check_same_run(OmegaConf.to_container(cfg, resolve=True), None)  # type: ignore[arg-type]
+    except AppError as exc:  # ConfigError included
         return str(exc)
     return None
 

@@ -47,6 +47,7 @@ def test_a_killed_run_of_another_seed_is_not_resumed(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "seed (0 -> 1)" in lines[0], result.stderr
     assert torch.load(tmp_path / schema.CHECKPOINT_NAME, weights_only=True)["config"]["seed"] == 0
+    assert "seed: 0" in (tmp_path / ".hydra" / "config.yaml").read_text()  # refused before Hydra rewrote it
 
 
 def test_resume_false_starts_over_and_moves_the_earlier_records_aside(tmp_path: Path) -> None:
@@ -112,7 +113,9 @@ def test_a_malformed_metrics_line_never_blocks_resume(tmp_path: Path, bad: str, 
 # ----------------------------------------------------------------------------- case 3
 def test_a_second_writer_fails_at_once_and_overwrites_nothing(tmp_path: Path) -> None:
     run_tiny(tmp_path, *SHORT)
-    before = _files(tmp_path)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("the first run's\n")
+    before = {**_files(tmp_path), ".hydra/config.yaml": (tmp_path / ".hydra" / "config.yaml").read_bytes()}
     holder = RunDir(tmp_path)
     holder.lock()  # the first process, still running
     try:
@@ -122,7 +125,7 @@ def test_a_second_writer_fails_at_once_and_overwrites_nothing(tmp_path: Path) ->
         assert len(lines) == 1 and f"run directory {tmp_path} is in use by another process (pid {os.getpid()})" in lines[0]
         with pytest.raises(AppError, match="is in use by another process"):  # same process, second run
             run_tiny(tmp_path, *SHORT, "train.steps=20")
-        assert _files(tmp_path) == before
+        assert {**_files(tmp_path), ".hydra/config.yaml": (tmp_path / ".hydra" / "config.yaml").read_bytes()} == before
     finally:
         holder.release()
     # Released on exit (here: the end of the run): the directory is usable again, and unlocked.
@@ -171,11 +174,12 @@ def test_max_consecutive_skips_zero_is_off(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "override,needle",
     [
-        ("optimizer.lr=nan", "optimizer.lr must be a finite number >= 0, got nan"),
-        ("optimizer.lr=inf", "optimizer.lr must be a finite number >= 0, got inf"),
-        ("optimizer.lr=-0.1", "optimizer.lr must be a finite number >= 0, got -0.1"),
-        ("optimizer.weight_decay=-1", "optimizer.weight_decay must be a finite number >= 0, got -1"),
-        ("optimizer.betas=[0.9,nan]", "optimizer.betas must be a finite number >= 0, got [0.9, nan]"),
+        ("optimizer.lr=nan", "optimizer.lr must be a finite number in [0, 3.4e+38] (float32), got nan"),
+        ("optimizer.lr=inf", "optimizer.lr must be a finite number in [0, 3.4e+38] (float32), got inf"),
+        ("optimizer.lr=-0.1", "optimizer.lr must be a finite number in [0, 3.4e+38] (float32), got -0.1"),
+        ("optimizer.lr=1e300", "optimizer.lr must be a finite number in [0, 3.4e+38] (float32), got 1e+300"),
+        ("optimizer.weight_decay=-1", "optimizer.weight_decay must be a finite number in [0, 3.4e+38] (float32), got -1"),
+        ("optimizer.betas=[0.9,nan]", "optimizer.betas must be a finite number in [0, 3.4e+38] (float32), got [0.9, nan]"),
         ("optimizer.lr={a:1}", "optimizer.lr must be a number or a list of numbers"),
         ("train.steps=100000000000", "train.steps must be an integer below 2^31"),
         ("strategy=layerwise", "strategy: groups pattern 'nothing.*' matches no module of MLP"),
