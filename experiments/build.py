@@ -283,7 +283,7 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter]) -> to
 
 def build_strategy(cfg: DictConfig) -> Any:
     """The strategy from ``cfg.strategy`` (flat: ``_target_: strategies.create``, ``name``, keywords)."""
-    strategy = safe_instantiate(cfg.strategy, "strategy")
+    strategy = safe_instantiate(cfg.strategy, "strategy", _convert_="all")  # lists as lists, not ListConfig
     for method in ("scale", "unscale_", "step", "update", "state_dict", "load_state_dict"):
         if not callable(getattr(strategy, method, None)):
             raise ConfigError(f"strategy._target_ must build a GradScaler-compatible object (no {method}())")

@@ -121,15 +121,7 @@ def _resume_and_train(cfg: DictConfig, rundir: RunDir, overrides: list[str], inf
     resume = bool(tcfg.get("resume", True))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    ckpt_path = rundir.path / schema.CHECKPOINT_NAME
-    state = None
-    if resume and ckpt_path.exists():
-        try:
-            state = ckpt.load(ckpt_path)
-        except ckpt.CheckpointError as exc:
-            raise AppError(str(exc)) from None
-    if resume:
-        rundir.check_same_run(resolved, state)
+    state = rundir.resume_state(resolved, resume)
     # Re-running a finished run changes nothing (raise train.steps to continue a completed one);
     # without a checkpoint (train.checkpoint_every=0) the summary says whether it finished.
     last = state if state is not None else records.read_json(rundir.path / schema.SUMMARY_NAME) if resume else {}

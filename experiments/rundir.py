@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from experiments import checkpoint as ckpt
 from experiments import schema
 from experiments.build import AppError, ConfigError
 from experiments.records import read_json, redact
@@ -131,6 +132,20 @@ class RunDir:
         fp = read_json(self.path / schema.SUMMARY_NAME).get("fingerprint")
         config = fp.get("config") if isinstance(fp, dict) else None
         return config if isinstance(config, dict) else None
+
+    def resume_state(self, config: dict, resume: bool) -> dict | None:
+        """The checkpoint to resume from (``None``: start at step 0), once the directory is known to
+        hold this run. ``AppError``: an unreadable checkpoint; ``ConfigError``: another run."""
+        if not resume:
+            return None
+        state = None
+        if (self.path / schema.CHECKPOINT_NAME).exists():
+            try:
+                state = ckpt.load(self.path / schema.CHECKPOINT_NAME)
+            except ckpt.CheckpointError as exc:
+                raise AppError(str(exc)) from None
+        self.check_same_run(config, state)
+        return state
 
     def check_same_run(self, config: dict, checkpoint: dict | None) -> None:
         """Refuse (one line) a directory holding a record of another configuration, or of an unknown one."""

@@ -124,12 +124,10 @@ def preflight(args: list[str]) -> str | None:
     try:
         validate(cfg)
         RunDir.check_path(run_dir.resolve())
-        # Before Hydra rewrites .hydra/ of a run in progress or of another run (run() checks again,
-        # with the checkpoint's own record of its configuration).
+        # Before Hydra rewrites .hydra/ of a run in progress or of another run (run() checks again).
         rundir = RunDir(run_dir.resolve())
         rundir.check_free()
-        if cfg.train.get("resume", True) is True:
-            rundir.check_same_run(OmegaConf.to_container(cfg, resolve=True), None)  # type: ignore[arg-type]
+        rundir.resume_state(OmegaConf.to_container(cfg, resolve=True), cfg.train.resume)  # type: ignore[arg-type]
     except AppError as exc:  # ConfigError included
         return str(exc)
     return None
