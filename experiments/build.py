@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import hydra.utils
@@ -290,17 +290,20 @@ def build_strategy(cfg: DictConfig) -> Any:
     return strategy
 
 
-def strategy_label(cfg: DictConfig) -> str:
-    """The run's strategy name for records: the registered name, or ``none`` when scaling is off."""
+def strategy_label(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> str:
+    """The run's strategy for records: ``none`` when scaling is off, else the ``strategy`` config
+    option chosen (``choices``: Hydra's ``runtime.choices``; a preset such as ``megatron`` is
+    ``native`` with other defaults, and must not be recorded as ``native``), else the registered name."""
     if OmegaConf.select(cfg, "strategy.enabled", default=True) is False:
         return "none"
-    return str(OmegaConf.select(cfg, "strategy.name", default="unknown"))
+    chosen = (choices or {}).get("strategy")
+    return str(chosen) if isinstance(chosen, str) and chosen else str(OmegaConf.select(cfg, "strategy.name", default="unknown"))
 
 
-def run_labels(cfg: DictConfig) -> dict[str, str]:
+def run_labels(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The labels a run record carries: strategy, precision, model, data, regime and workload."""
     names = {
-        "strategy": strategy_label(cfg),
+        "strategy": strategy_label(cfg, choices),
         "precision": str(cfg.precision.name),
         "model": str(cfg.model.get("name", "model")),
         "data": str(cfg.data.get("name", "data")),

@@ -88,8 +88,9 @@ def _say(message: str) -> None:
     print(f"scalelab-train: {message}", file=sys.stderr)
 
 
-def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), choices: dict | None = None) -> dict:
     """Train as ``cfg`` says, writing the run record under ``out_dir``; return the summary.
+    ``choices``: the config-group options chosen (Hydra's ``runtime.choices``), for the record's labels.
 
     Raises:
         ConfigError: a bad option, or a directory holding another run (before anything is written).
@@ -108,14 +109,16 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
             rundir.prepare()
             rundir.lock()
         try:
-            return _resume_and_train(cfg, rundir, list(overrides), info, precision)
+            return _resume_and_train(cfg, rundir, list(overrides), info, precision, choices)
         finally:
             rundir.release()
     finally:
         dist.cleanup()
 
 
-def _resume_and_train(cfg: DictConfig, rundir: RunDir, overrides: list[str], info: dist.DistInfo, precision: Any) -> dict:
+def _resume_and_train(
+    cfg: DictConfig, rundir: RunDir, overrides: list[str], info: dist.DistInfo, precision: Any, choices: dict | None
+) -> dict:
     """Check the directory holds this run (or none), load its checkpoint, then train."""
     tcfg = cfg.train
     resume = bool(tcfg.get("resume", True))
@@ -136,7 +139,7 @@ def _resume_and_train(cfg: DictConfig, rundir: RunDir, overrides: list[str], inf
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
     try:
-        return _train(cfg, rundir, overrides, info, precision, state, resolved)
+        return _train(cfg, rundir, overrides, info, precision, state, resolved, run_labels(cfg, choices))
     finally:
         torch.use_deterministic_algorithms(prev_det)
         torch.set_num_threads(prev_threads)
@@ -150,11 +153,11 @@ def _train(
     precision: Any,
     state: dict | None,
     resolved: dict,
+    names: dict[str, str],
 ) -> dict:
     tcfg, rcfg = cfg.train, cfg.regime
     device, main, out_dir = info.device, info.is_main, rundir.path
     seed = int(cfg.seed)
-    names = run_labels(cfg)
 
     # Build: model initialisation depends on the seed only; dropout RNG per rank.
     data = build_data(cfg)

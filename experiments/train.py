@@ -89,7 +89,7 @@ def _app(cfg: DictConfig) -> float | None:
 
     hc = HydraConfig.get()
     try:
-        summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+        summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task), dict(hc.runtime.choices))
     except AppError as exc:
         if hc.mode == RunMode.RUN:
             # One run: the one-line message is the whole report (no "HYDRA_FULL_ERROR" banner).

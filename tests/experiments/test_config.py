@@ -186,3 +186,12 @@ def test_nested_targets_are_checked_too() -> None:
     with pytest.raises(ConfigError, match=r"^data.inner\[0\]._target_='subprocess.run' is not allowed"):
         check_targets({"_target_": "experiments.data.CharData", "inner": [{"_target_": "subprocess.run"}]}, "data")
     check_targets({"_target_": "torch.optim.SGD", "x": {"_target_": "strategies.create"}}, "ok")
+
+
+def test_records_name_the_strategy_option_chosen_not_the_rule_it_presets() -> None:
+    """A preset (e.g. megatron.yaml: name native with Megatron's defaults) must not be recorded as native."""
+    cfg = compose_cfg("strategy=native")
+    assert strategy_label(cfg) == "native"
+    assert strategy_label(cfg, {"strategy": "megatron"}) == "megatron"
+    assert strategy_label(compose_cfg("strategy=none"), {"strategy": "none"}) == "none"
+    assert strategy_label(compose_cfg("strategy=native", "+strategy.enabled=false"), {"strategy": "native"}) == "none"
