@@ -124,7 +124,7 @@ FIDELITY_FIELDS = _fields(
 SUMMARY_FIELDS = _fields(
     Field("status", str, "one of STATUSES"),
     Field("error", str, "one-line reason when not completed", optional=True),
-    Field("strategy", str, "registered strategy name, or none (no scaling)"),
+    Field("strategy", str, "strategy option chosen (conf/strategy/<option>.yaml; a rule or a preset), or none (no scaling)"),
     Field("precision", str, "fp32, fp16, bf16, fp8_e4m3, fp8_e5m2"),
     Field("model", str, "config-group choice"),
     Field("data", str, "config-group choice"),
