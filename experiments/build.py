@@ -4,28 +4,37 @@ Every error a user can cause with an override ends here as a one-line :class:`Co
 naming the option, the bad value and what is allowed. ``ConfigError`` derives from Hydra's
 ``CompactHydraException``, so Hydra prints its message alone (no traceback) and exits non-zero.
 
-``instantiate`` only builds targets from this project's packages (``experiments.``,
-``strategies.``) and *classes* from ``torch.`` (so ``torch.optim.AdamW`` is fine but
-``torch.load`` or ``torch.hub.load`` — functions that can run foreign code — are refused).
+``instantiate`` builds only an explicit allow-list of objects (:func:`allowed_target`): the
+strategy factory ``strategies.create``, ``torch.optim`` optimizer classes, and this project's
+model, data and logger classes. A ``_target_`` is resolved to the object it names *without
+importing anything* (only through modules already loaded), then compared with the list, so an
+alias such as ``experiments.checkpoint.torch.load`` is the refused ``torch.load``, and a module
+with import-time effects is never imported by a config.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import hydra.utils
 import torch
 from hydra.errors import CompactHydraException, InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
+import strategies
+from experiments import data as _data
+from experiments import loggers as _loggers
+from experiments import models as _models
 from experiments.precision import Precision
 
 __all__ = [
     "ConfigError",
     "AppError",
-    "PROJECT_PREFIXES",
+    "ALLOWED_TARGETS",
+    "allowed_target",
     "check_targets",
     "safe_instantiate",
     "validate",
@@ -35,10 +44,17 @@ __all__ = [
     "build_strategy",
     "build_precision",
     "strategy_label",
+    "run_labels",
+    "one_line",
 ]
 
-PROJECT_PREFIXES = ("experiments.", "strategies.")
-TORCH_PREFIX = "torch."
+ALLOWED_TARGETS = (
+    strategies.create,
+    _models.GPT, _models.MLP, _models.CNN,
+    _data.CharData, _data.TeacherVectors, _data.TemplateImages,
+    _loggers.WandbLogger,
+)
+"""What a config may build, besides the optimizer classes of ``torch.optim``."""
 DATA_SHAPE_KEYS = ("vocab_size", "block_size", "in_features", "in_channels", "num_classes")
 
 
@@ -50,32 +66,61 @@ class ConfigError(AppError, ValueError):
     """A bad configuration value: the message names the option, the value and what is allowed."""
 
 
-def _one_line(text: str) -> str:
+def one_line(text: object) -> str:
+    """``text`` on one line (whitespace runs, newlines included, become one space)."""
     return " ".join(str(text).split())
 
 
+def _resolve(target: str) -> Any:
+    """The object ``target`` names, through already-loaded modules only; ``None`` when it names none."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj: Any = module
+        for name in parts[cut:]:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def allowed_target(obj: Any) -> bool:
+    """True for the objects a config may build: :data:`ALLOWED_TARGETS` and ``torch.optim`` optimizers."""
+    if any(obj is allowed for allowed in ALLOWED_TARGETS):
+        return True
+    return (
+        inspect.isclass(obj)
+        and issubclass(obj, torch.optim.Optimizer)
+        and obj is not torch.optim.Optimizer
+        and obj.__module__.startswith("torch.optim")
+    )
+
+
+def _allowed_names() -> str:
+    by_module: dict[str, list[str]] = {}
+    for obj in ALLOWED_TARGETS:
+        module = "strategies" if obj is strategies.create else obj.__module__
+        by_module.setdefault(module, []).append(obj.__qualname__)
+    names = [f"{m}.{n[0]}" if len(n) == 1 else f"{m}.{{{','.join(n)}}}" for m, n in by_module.items()]
+    return ", ".join(names[:1] + ["torch.optim.<optimizer class>"] + names[1:])
+
+
 def check_targets(node: Any, path: str) -> None:
-    """Refuse any ``_target_`` (at any depth) outside the project's packages and torch's classes."""
+    """Refuse any ``_target_`` (at any depth) that does not resolve to an allowed object."""
     if isinstance(node, dict):
         target = node.get("_target_")
         if target is not None:
             where = f"{path}._target_" if path else "_target_"
-            if not isinstance(target, str):
+            if not isinstance(target, str) or not target:
                 raise ConfigError(f"{where} must be a dotted name, got {target!r}")
-            if target.startswith(TORCH_PREFIX):
-                try:
-                    obj = hydra.utils.get_object(target)
-                except Exception:  # noqa: BLE001
-                    raise ConfigError(f"{where}={target!r} does not exist in torch") from None
-                if not inspect.isclass(obj):
-                    raise ConfigError(
-                        f"{where}={target!r} is not allowed: from torch only classes may be instantiated"
-                    )
-            elif not target.startswith(PROJECT_PREFIXES):
-                raise ConfigError(
-                    f"{where}={target!r} is not allowed: targets must be in experiments., strategies. "
-                    "or be a torch class"
-                )
+            obj = _resolve(target)
+            if obj is None or not allowed_target(obj):
+                what = "names nothing the app loads" if obj is None else (
+                    f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
+                raise ConfigError(f"{where}={target!r} is not allowed ({what}); allowed: {_allowed_names()}")
         for key, value in node.items():
             check_targets(value, f"{path}.{key}" if path else str(key))
     elif isinstance(node, list):
@@ -100,16 +145,38 @@ def safe_instantiate(node: DictConfig | dict, path: str, drop: Iterable[str] = (
         return hydra.utils.instantiate(container, **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
-        raise ConfigError(f"{path}: {_one_line(cause)}") from None
+        raise ConfigError(f"{path}: {one_line(cause)}") from None
     except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"{path}: {_one_line(exc)}") from None
+        raise ConfigError(f"{path}: {one_line(exc)}") from None
+
+
+INT_LIMIT = 2**31
+"""Upper bound (exclusive) of every integer run option: larger values are typos or attacks."""
 
 
 def _int(cfg: DictConfig, key: str, low: int, note: str = "") -> int:
     value = OmegaConf.select(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{key} must be an integer >= {low}{note}, got {value!r}")
+    if value >= INT_LIMIT:
+        raise ConfigError(f"{key} must be an integer below 2^31, got {value!r}")
     return value
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _optimizer_values(node: dict, path: str = "optimizer") -> None:
+    """Every number of the optimizer config (lists included) is in [0, float32 max] (lr, betas, eps, ...):
+    not NaN, not negative, and not so large that the optimizer's float32 arithmetic overflows."""
+    for key, value in node.items():
+        where = f"{path}.{key}"
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, (dict, list)):
+                raise ConfigError(f"{where} must be a number or a list of numbers, got {value!r}")
+            if isinstance(item, (int, float)) and not isinstance(item, bool) and not 0 <= item <= FLOAT32_MAX:
+                raise ConfigError(f"{where} must be a finite number in [0, 3.4e+38] (float32), got {value!r}")
 
 
 def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = False) -> float:
@@ -124,14 +191,30 @@ def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = 
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check the run-level options (``train.*``, ``regime.*``, ``seed``); raise ``ConfigError``."""
+    """Check the whole config before anything runs; raise a one-line ``ConfigError``.
+
+    The config resolves (interpolations such as ``${oc.env:X}`` included); every ``_target_``
+    is allowed (:func:`check_targets`); the run-level options (``train.*``, ``regime.*``,
+    ``seed``) are in range; every optimizer number is finite and >= 0. The groups' own values
+    are checked by their constructors (``safe_instantiate`` turns those errors into one line).
+    """
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # noqa: BLE001 - any resolution failure is a bad value on the command line
+        raise ConfigError(f"the configuration does not resolve: {one_line(exc)[:300]}") from None
+    assert isinstance(resolved, dict)
     for group in ("model", "data", "precision", "strategy", "regime", "logger", "train", "optimizer"):
         if not isinstance(cfg.get(group), DictConfig):
             raise ConfigError(f"config group {group!r} is missing or not a mapping")
+    check_targets(resolved, "")
+    _optimizer_values(resolved["optimizer"])
     _int(cfg, "seed", 0)
+    tags = cfg.get("tags")
+    if not isinstance(tags, ListConfig) or not all(isinstance(t, str) for t in tags):
+        raise ConfigError(f"tags must be a list of strings, got {tags!r}")
     threads = cfg.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads must be null or an integer >= 1, got {threads!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
+        raise ConfigError(f"threads must be null or an integer in [1, 1024], got {threads!r}")
     steps = _int(cfg, "train.steps", 1)
     _int(cfg, "train.batch_size", 1)
     _int(cfg, "train.log_every", 1)
@@ -145,23 +228,24 @@ def validate(cfg: DictConfig) -> None:
     _float(cfg, "regime.loss_multiplier", 1e-12, 1e6)
     _float(cfg, "regime.spike_factor", 0.0, 1e12, low_open=True)
     spikes = OmegaConf.select(cfg, "regime.spike_steps")
-    if spikes is None or not all(isinstance(s, int) and 1 <= s <= steps for s in spikes):
+    if not isinstance(spikes, ListConfig) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= steps for s in spikes
+    ):
         raise ConfigError(f"regime.spike_steps must be a list of steps in [1, train.steps={steps}], got {spikes}")
     kill = OmegaConf.select(cfg, "train.kill_at_step")
     if kill is not None and (not isinstance(kill, int) or kill < 1):
         raise ConfigError(f"train.kill_at_step must be null or an integer >= 1, got {kill!r}")
-    logger = OmegaConf.select(cfg, "logger.name")
-    if logger not in ("wandb", "none"):
-        raise ConfigError(f"logger.name must be wandb or none, got {logger!r}")
-    if logger == "wandb" and OmegaConf.select(cfg, "logger.mode") not in ("online", "offline", "disabled"):
-        raise ConfigError(f"logger.mode must be online, offline or disabled, got {OmegaConf.select(cfg, 'logger.mode')!r}")
+    _int(cfg, "train.max_consecutive_skips", 0, " (0 = off)")
+    for key in ("train.resume", "train.deterministic", "train.progress"):
+        if not isinstance(OmegaConf.select(cfg, key), bool):
+            raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
 
 
 def build_precision(cfg: DictConfig) -> Precision:
     try:
         return Precision.from_config(OmegaConf.to_container(cfg.precision, resolve=True))  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise ConfigError(_one_line(exc)) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(one_line(exc)) from None
 
 
 def build_data(cfg: DictConfig) -> Any:
@@ -199,15 +283,31 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter]) -> to
 
 def build_strategy(cfg: DictConfig) -> Any:
     """The strategy from ``cfg.strategy`` (flat: ``_target_: strategies.create``, ``name``, keywords)."""
-    strategy = safe_instantiate(cfg.strategy, "strategy")
+    strategy = safe_instantiate(cfg.strategy, "strategy", _convert_="all")  # lists as lists, not ListConfig
     for method in ("scale", "unscale_", "step", "update", "state_dict", "load_state_dict"):
         if not callable(getattr(strategy, method, None)):
             raise ConfigError(f"strategy._target_ must build a GradScaler-compatible object (no {method}())")
     return strategy
 
 
-def strategy_label(cfg: DictConfig) -> str:
-    """The run's strategy name for records: the registered name, or ``none`` when scaling is off."""
+def strategy_label(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> str:
+    """The run's strategy for records: ``none`` when scaling is off, else the ``strategy`` config
+    option chosen (``choices``: Hydra's ``runtime.choices``; a preset such as ``megatron`` is
+    ``native`` with other defaults, and must not be recorded as ``native``), else the registered name."""
     if OmegaConf.select(cfg, "strategy.enabled", default=True) is False:
         return "none"
-    return str(OmegaConf.select(cfg, "strategy.name", default="unknown"))
+    chosen = (choices or {}).get("strategy")
+    return str(chosen) if isinstance(chosen, str) and chosen else str(OmegaConf.select(cfg, "strategy.name", default="unknown"))
+
+
+def run_labels(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The labels a run record carries: strategy, precision, model, data, regime and workload."""
+    names = {
+        "strategy": strategy_label(cfg, choices),
+        "precision": str(cfg.precision.name),
+        "model": str(cfg.model.get("name", "model")),
+        "data": str(cfg.data.get("name", "data")),
+        "regime": str(cfg.regime.get("name", "plain")),
+    }
+    names["workload"] = f"{names['model']}/{names['data']}/{names['regime']}"
+    return names

@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from experiments import schema
+
 __all__ = ["CheckpointError", "save", "load", "capture_rng", "restore_rng", "CHECKPOINT_NAME"]
 
-CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_NAME = schema.CHECKPOINT_NAME
 
 
 class CheckpointError(RuntimeError):

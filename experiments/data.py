@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from experiments.options import check_option
+
 __all__ = ["CharData", "TeacherVectors", "TemplateImages", "step_generator", "stdlib_files"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -36,10 +38,8 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 2**32 + step) % 2**63)
 
 
-def _check(name: str, value: float, low: float, high: float | None = None) -> None:
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"data.{name} must be {allowed}, got {value}")
+def _check(name: str, value: object, low: float, high: float | None = None) -> None:
+    check_option("data", name, value, low, high)
 
 
 def stdlib_files(root: str | None = None) -> list[Path]:

@@ -19,7 +19,7 @@ Backend: ``nccl`` when the device is CUDA, ``gloo`` on CPU. Device: one GPU per 
 (``cuda:LOCAL_RANK``); with ``CUDA_VISIBLE_DEVICES`` restricted to one GPU (SLURM's
 ``gpus_per_task=1``) that is ``cuda:0``, the only visible device. For several single-process jobs
 sharing a multi-GPU host (the joblib launcher, or several sweeps at once), ``device="cuda:free"``
-gives each job a GPU no other job holds, by an exclusive lock file per GPU (``claim_slot``).
+gives each job a GPU no other job holds, by an exclusive lock file per GPU (``experiments/gpu_slots.py``).
 
 Loss-scaling consistency. Under DDP the gradients are averaged across ranks during
 ``backward()``, so a non-finite value produced in backward reaches every rank. What DDP does
@@ -40,49 +40,32 @@ sweep (Hydra runs a multirun's jobs in one process) and it is destroyed at exit.
 from __future__ import annotations
 
 import atexit
-import fcntl
 import os
 import random
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from experiments import gpu_slots
+
 __all__ = [
     "DistInfo",
     "setup",
     "cleanup",
     "wrap_model",
-    "unwrap_model",
     "seed_everything",
     "rank_seed",
-    "rank_generator",
     "shard_batch",
-    "shard_indices",
-    "all_reduce_sum",
-    "all_reduce_mean",
     "broadcast_object",
-    "barrier",
-    "main_only",
-    "no_sync",
-    "claim_slot",
 ]
 
 T = TypeVar("T")
 
 DEVICES = ("auto", "cpu", "cuda")
-
-# The GPU this process holds under device="cuda:free": (index, open lock file), released by cleanup().
-_claimed: tuple[int, int] | None = None
-
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -138,65 +121,6 @@ def _submitit_layout() -> tuple[int, int, int] | None:
     return job_env.global_rank, job_env.num_tasks, job_env.local_rank
 
 
-def claim_slot(names: list[str], lock_dir: str | Path, timeout_s: float, poll_s: float = 0.5) -> tuple[int, int]:
-    """Take an exclusive, host-wide claim on one of ``names``; return (its index, the lock's fd).
-
-    One lock file per name in ``lock_dir``, held with ``flock(LOCK_EX | LOCK_NB)``: the first
-    name nobody holds wins; if all are held, poll until one is released or ``timeout_s`` passes.
-    The kernel drops the lock when the fd is closed or the process dies (a crashed job frees its
-    GPU). Close the fd (``cleanup()`` does) to release it.
-
-    Raises:
-        TimeoutError: every name stayed claimed for ``timeout_s`` seconds.
-    """
-    if not names:
-        raise ValueError("names must list at least one slot to claim, got []")
-    lock_dir = Path(lock_dir)
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for index, name in enumerate(names):
-            fd = os.open(lock_dir / f"gpu-{name}.lock", os.O_CREAT | os.O_RDWR, 0o666)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            return index, fd
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"no free GPU among {len(names)} after {timeout_s:.0f} s: every one is claimed by another "
-                f"scalelab process (locks in {lock_dir}); run fewer jobs at once than GPUs"
-            )
-        time.sleep(poll_s)
-
-
-def _claim_free_gpu(timeout_s: float) -> int:
-    """Index (among the visible devices) of a GPU no other scalelab process on this host holds.
-
-    Locks are named after the physical device (the ``CUDA_VISIBLE_DEVICES`` entry, else the
-    index), so processes with different visibility masks still agree. Lock directory:
-    ``$SCALELAB_GPU_LOCK_DIR``, default ``<tmp>/scalelab-gpu-locks``. A process that already
-    holds a GPU keeps it (a joblib worker reused for its next job).
-    """
-    global _claimed
-    if _claimed is not None:
-        return _claimed[0]
-    count = torch.cuda.device_count()
-    mask = [m.strip() for m in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if m.strip()]
-    names = mask[:count] if len(mask) >= count else [str(i) for i in range(count)]
-    lock_dir = os.environ.get("SCALELAB_GPU_LOCK_DIR") or Path(tempfile.gettempdir()) / "scalelab-gpu-locks"
-    _claimed = claim_slot(names, lock_dir, timeout_s)
-    return _claimed[0]
-
-
-def _release_gpu() -> None:
-    global _claimed
-    if _claimed is not None:
-        os.close(_claimed[1])
-        _claimed = None
-
-
 def _resolve_device(device: str, local_rank: int, world_size: int, gpu_wait_s: float = 86400.0) -> torch.device:
     """``auto`` -> CUDA if available else CPU; ``cuda`` -> ``cuda:local_rank`` (one GPU per rank;
     ``cuda:0`` when the rank sees a single device);
@@ -219,7 +143,7 @@ def _resolve_device(device: str, local_rank: int, world_size: int, gpu_wait_s: f
             )
         which = device.split(":", 1)[1]
         if which == "free":
-            return torch.device("cuda", _claim_free_gpu(gpu_wait_s))
+            return torch.device("cuda", gpu_slots.claim_free_gpu(gpu_wait_s))
         if not which.isdigit():
             raise ValueError(f"device must be cuda, cuda:N or cuda:free, got {device!r}")
         index = int(which)
@@ -322,7 +246,7 @@ def cleanup(destroy: bool = False) -> None:
     """
     if destroy:
         _destroy_group()
-    _release_gpu()
+    gpu_slots.release_gpu()
 
 
 def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs: Any) -> nn.Module:
@@ -333,7 +257,7 @@ def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs: Any) -> nn.Module
     initialisation seeds differ. ``ddp_kwargs`` go to ``DistributedDataParallel``.
 
     Attach hooks that must see the plain module (``layerwise``'s ``attach``) and build the
-    ``norm_ratio`` fp32 reference closure on ``unwrap_model(model)``: a forward through the DDP
+    ``norm_ratio`` fp32 reference closure on the plain model (``model.module`` under DDP): a forward through the DDP
     wrapper arms its gradient reducer, which ``torch.autograd.grad`` never fires.
     """
     model = model.to(info.device)
@@ -341,11 +265,6 @@ def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs: Any) -> nn.Module
         return model
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside a DDP wrapper (the model itself otherwise): what to checkpoint."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -376,13 +295,6 @@ def seed_everything(seed: int, info: DistInfo | None = None, per_rank: bool = Fa
     return used
 
 
-def rank_generator(seed: int, info: DistInfo, device: str | torch.device = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` seeded with ``rank_seed(seed, rank)``: an independent data stream per rank."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(rank_seed(seed, info.rank))
-    return gen
-
-
 def shard_batch(batch: T, info: DistInfo) -> T:
     """This rank's slice of a *global* batch (tensor, or tuple/list/dict of tensors, split on dim 0).
 
@@ -410,34 +322,6 @@ def shard_batch(batch: T, info: DistInfo) -> T:
     raise TypeError(f"shard_batch takes a tensor or a tuple/list/dict of tensors, got {type(batch).__name__}")
 
 
-def shard_indices(n: int, info: DistInfo) -> range:
-    """Indices ``rank, rank + W, rank + 2W, ...`` of ``range(n)``: this rank's share of ``n`` items.
-
-    For evaluation: each rank evaluates its share, then ``all_reduce_sum`` adds the loss sums
-    and counts, giving the exact mean over all ``n`` items.
-    """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    return range(info.rank, n, info.world_size)
-
-
-def all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum ``value`` over ranks (a new tensor; the input is left alone). Identity for one process."""
-    out = value.detach().clone()
-    if info.distributed:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
-
-
-def all_reduce_mean(total: torch.Tensor, count: torch.Tensor | int, info: DistInfo) -> torch.Tensor:
-    """Global mean ``sum_r total_r / sum_r count_r`` (float64 accumulation)."""
-    pair = torch.stack(
-        [total.detach().to(torch.float64).reshape(()), torch.as_tensor(count, dtype=torch.float64).reshape(())]
-    ).to(info.device)
-    pair = all_reduce_sum(pair, info)
-    return pair[0] / pair[1]
-
-
 def broadcast_object(obj: T, info: DistInfo, src: int = 0) -> T:
     """Rank ``src``'s ``obj`` on every rank (pickled); identity for one process.
 
@@ -449,27 +333,3 @@ def broadcast_object(obj: T, info: DistInfo, src: int = 0) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def barrier(info: DistInfo) -> None:
-    """Wait for all ranks (no-op for one process)."""
-    if info.distributed:
-        if info.backend == "nccl":
-            dist.barrier(device_ids=[info.device.index])
-        else:
-            dist.barrier()
-
-
-def main_only(info: DistInfo, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
-    """Call ``fn(*args, **kwargs)`` on rank 0 only (run records, checkpoints, W&B); ``None`` elsewhere."""
-    return fn(*args, **kwargs) if info.is_main else None
-
-
-@contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """DDP's ``no_sync()`` for gradient-accumulation micro-steps; a no-op for an unwrapped model."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-    else:
-        yield

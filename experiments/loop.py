@@ -13,10 +13,14 @@ Per step (nanoGPT-style plain code, the GradScaler recipe of seed 001/002):
    ``strategy.update()``.
 
 Telemetry (strategy tensors, per-layer activation-gradient statistics) is read from the device
-only on logging steps (every ``train.log_every``). Divergence (a logged loss that is non-finite or
-above ``train.divergence_loss``) stops the run with status ``diverged``; an exception is recorded
-as ``failed`` and re-raised. Checkpoints every ``train.checkpoint_every`` steps and at the end;
-re-running in the same directory resumes from the checkpoint.
+only on logging steps (every ``train.log_every``) and flattened generically
+(``experiments/telemetry.py``). Divergence (a logged loss that is non-finite or above
+``train.divergence_loss``) stops the run with status ``diverged``; ``train.max_consecutive_skips``
+skipped steps in a row (a collapsed scale) stop it with status ``stalled``; an exception is
+recorded as ``failed`` and re-raised. Checkpoints every ``train.checkpoint_every`` steps and at
+the end; re-running in the same directory with the same configuration resumes from the
+checkpoint (``experiments/rundir.py`` says what a run directory guarantees). Records go through
+``experiments/records.py`` (the schema's files and keys), mirrors through the configured loggers.
 """
 
 from __future__ import annotations
@@ -36,89 +40,29 @@ from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
 from experiments import distributed as dist
-from experiments import records
+from experiments import records, schema, telemetry
 from experiments.build import (
     AppError,
     ConfigError,
+    one_line,
     build_data,
     build_model,
     build_optimizer,
     build_precision,
     build_strategy,
-    strategy_label,
+    run_labels,
     validate,
 )
 from experiments.data import step_generator
+from experiments.loggers import RunInfo, instantiate_loggers
 from experiments.precision import BoundaryHooks
+from experiments.rundir import RunDir
 
 __all__ = ["run"]
-
-FP16_SMALLEST_NORMAL = 2.0**-14
-
 
 def _loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position (LM) or example (classifier), in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def _param_grad_stats(params: list[torch.nn.Parameter]) -> dict[str, float]:
-    """abs-max, L2 norm, zero and fp16-subnormal fractions of the parameter gradients (one sync)."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    if not grads:
-        return {"grad_absmax": 0.0, "grad_norm": 0.0, "grad_zero_frac": 1.0, "grad_subnormal_frac": 0.0}
-    absmax = torch.stack([g.abs().max().float() for g in grads]).max()
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    zeros = sum((g == 0).sum() for g in grads)
-    sub = sum(((g != 0) & (g.abs() < FP16_SMALLEST_NORMAL)).sum() for g in grads)
-    numel = sum(g.numel() for g in grads)
-    a, n, z, s = torch.stack([absmax, norm, zeros.float(), sub.float()]).tolist()  # type: ignore[union-attr]
-    return {"grad_absmax": a, "grad_norm": n, "grad_zero_frac": z / numel, "grad_subnormal_frac": s / numel}
-
-
-def _read_telemetry(strategy: Any) -> dict[str, Any]:
-    """The strategy's telemetry as Python numbers (the logging-step sync)."""
-    if not callable(getattr(strategy, "telemetry", None)):
-        return {"scale": float(strategy.get_scale()) if strategy.is_enabled() else 1.0}
-    out: dict[str, Any] = {}
-    for key, value in strategy.telemetry().items():
-        if isinstance(value, torch.Tensor):
-            out[key] = value.item() if value.numel() == 1 and key != "scales" else value.tolist()
-        else:
-            out[key] = value
-    return out
-
-
-class _OptimizerClock:
-    """Optimizer step hooks: time spent inside ``optimizer.step`` and whether it ran this step."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.elapsed = 0.0
-        self.ran = False
-        self._t0 = 0.0
-        optimizer.register_step_pre_hook(self._pre)
-        optimizer.register_step_post_hook(self._post)
-
-    def _pre(self, *_: Any) -> None:
-        self._t0 = time.perf_counter()
-
-    def _post(self, *_: Any) -> None:
-        self.elapsed += time.perf_counter() - self._t0
-        self.ran = True
-
-    def reset(self) -> None:
-        self.elapsed, self.ran = 0.0, False
-
-
-def _names(cfg: DictConfig) -> dict[str, str]:
-    names = {
-        "strategy": strategy_label(cfg),
-        "precision": str(cfg.precision.name),
-        "model": str(cfg.model.get("name", "model")),
-        "data": str(cfg.data.get("name", "data")),
-        "regime": str(cfg.regime.get("name", "plain")),
-    }
-    names["workload"] = f"{names['model']}/{names['data']}/{names['regime']}"
-    return names
 
 
 def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.device, n_batches: int) -> dict:
@@ -140,12 +84,17 @@ def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.d
     return {"eval_loss": eval_loss, "eval_metric": metric}
 
 
-def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+def _say(message: str) -> None:
+    print(f"scalelab-train: {message}", file=sys.stderr)
+
+
+def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), choices: dict | None = None) -> dict:
     """Train as ``cfg`` says, writing the run record under ``out_dir``; return the summary.
+    ``choices``: the config-group options chosen (Hydra's ``runtime.choices``), for the record's labels.
 
     Raises:
-        ConfigError: a bad option (before anything is written).
-        AppError: an unusable checkpoint in ``out_dir`` (nothing is overwritten).
+        ConfigError: a bad option, or a directory holding another run (before anything is written).
+        AppError: an unusable checkpoint, or a directory another process is writing.
         Exception: whatever training raised, after recording ``status: failed``.
     """
     validate(cfg)
@@ -153,33 +102,36 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
     try:
         info = dist.setup(device=str(cfg.device))
     except ValueError as exc:
-        raise ConfigError(" ".join(str(exc).split())) from None
+        raise ConfigError(one_line(exc)) from None
     try:
-        return _resume_and_train(cfg, out_dir, list(overrides), info, precision)
+        rundir = RunDir(Path(dist.broadcast_object(str(Path(out_dir).resolve()), info)))
+        if info.is_main:
+            rundir.prepare()
+            rundir.lock()
+        try:
+            return _resume_and_train(cfg, rundir, list(overrides), info, precision, choices)
+        finally:
+            rundir.release()
     finally:
         dist.cleanup()
 
 
 def _resume_and_train(
-    cfg: DictConfig, out_dir: str | Path, overrides: list[str], info: dist.DistInfo, precision: Any
+    cfg: DictConfig, rundir: RunDir, overrides: list[str], info: dist.DistInfo, precision: Any, choices: dict | None
 ) -> dict:
-    """Load the checkpoint (if any) before touching ``out_dir``, then train."""
-    out_dir = Path(dist.broadcast_object(str(Path(out_dir).resolve()), info))
+    """Check the directory holds this run (or none), load its checkpoint, then train."""
     tcfg = cfg.train
-    ckpt_path = out_dir / ckpt.CHECKPOINT_NAME
-    state = None
-    if tcfg.get("resume", True) and ckpt_path.exists():
-        try:
-            state = ckpt.load(ckpt_path)
-        except ckpt.CheckpointError as exc:
-            raise AppError(str(exc)) from None
-        finished = state.get("status") == "diverged" or (
-            state.get("status") == "completed" and state["step"] >= int(tcfg.steps)
-        )
-        if finished:
-            # Re-running a finished run changes nothing (raise train.steps to continue a completed one).
-            print(f"scalelab-train: {out_dir} already {state['status']} at step {state['step']}", file=sys.stderr)
-            return records.read_json(out_dir / records.SUMMARY_NAME)
+    resume = bool(tcfg.get("resume", True))
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(resolved, dict)
+    state = rundir.resume_state(resolved, resume)
+    # Re-running a finished run changes nothing (raise train.steps to continue a completed one);
+    # without a checkpoint (train.checkpoint_every=0) the summary says whether it finished.
+    last = state if state is not None else records.read_json(rundir.path / schema.SUMMARY_NAME) if resume else {}
+    status, at = last.get("status"), last.get("step", last.get("steps"))
+    if status in ("diverged", "stalled") or (status == "completed" and isinstance(at, int) and at >= int(tcfg.steps)):
+        _say(f"{rundir.path} already {status} at step {at}")
+        return records.read_json(rundir.path / schema.SUMMARY_NAME)
 
     prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     if tcfg.get("deterministic", False):
@@ -187,7 +139,7 @@ def _resume_and_train(
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
     try:
-        return _train(cfg, out_dir, overrides, info, precision, _names(cfg), state)
+        return _train(cfg, rundir, overrides, info, precision, state, resolved, run_labels(cfg, choices))
     finally:
         torch.use_deterministic_algorithms(prev_det)
         torch.set_num_threads(prev_threads)
@@ -195,15 +147,16 @@ def _resume_and_train(
 
 def _train(
     cfg: DictConfig,
-    out_dir: Path,
+    rundir: RunDir,
     overrides: list[str],
     info: dist.DistInfo,
     precision: Any,
-    names: dict[str, str],
     state: dict | None,
+    resolved: dict,
+    names: dict[str, str],
 ) -> dict:
     tcfg, rcfg = cfg.train, cfg.regime
-    device = info.device
+    device, main, out_dir = info.device, info.is_main, rundir.path
     seed = int(cfg.seed)
 
     # Build: model initialisation depends on the seed only; dropout RNG per rank.
@@ -216,11 +169,16 @@ def _train(
     strategy = build_strategy(cfg)
     dist.seed_everything(seed, info, per_rank=True)
     hooks = BoundaryHooks(raw_model, precision)
-    if callable(getattr(strategy, "attach", None)):
-        strategy.attach(raw_model)
-    clock = _OptimizerClock(optimizer)
+    try:
+        if callable(getattr(strategy, "attach", None)):
+            strategy.attach(raw_model)
+    except ValueError as exc:
+        hooks.remove()
+        raise ConfigError(f"strategy: {one_line(exc)}") from None
+    clock = telemetry.OptimizerClock(optimizer)
 
-    counters = {"steps": 0, "skipped_steps": 0, "timed_steps": 0, "step_time_sum": 0.0, "strategy_time_sum": 0.0}
+    counters = {"steps": 0, "skipped_steps": 0, "consecutive_skips": 0, "timed_steps": 0,
+                "step_time_sum": 0.0, "strategy_time_sum": 0.0}
     start_step = 0
     if state is not None:
         try:
@@ -229,10 +187,10 @@ def _train(
             strategy.load_state_dict(state["strategy"])
             ckpt.restore_rng(state["rng"])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            reason = " ".join(str(exc).split())[:300]
+            hooks.remove()
             raise AppError(
-                f"checkpoint {out_dir / ckpt.CHECKPOINT_NAME} does not match this configuration ({reason}); "
-                "use another hydra.run.dir or the configuration it was written with"
+                f"checkpoint {out_dir / schema.CHECKPOINT_NAME} does not match this configuration "
+                f"({one_line(exc)[:300]}); use another hydra.run.dir or the configuration it was written with"
             ) from None
         counters.update(state["counters"])
         start_step = int(state["step"])
@@ -252,65 +210,56 @@ def _train(
 
         strategy.set_reference(reference_loss, params)
 
-    # Records (rank 0 only). Truncate metrics to the checkpoint so the resumed record has no duplicates.
-    main = info.is_main
-    metrics_path = out_dir / records.METRICS_NAME
-    summary_path = out_dir / records.SUMMARY_NAME
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(resolved, dict)
-    head = {"status": "running", "error": None, **names, "seed": seed, "sweep": str(cfg.sweep)}
+    # Records (rank 0 only): earlier records of another run moved aside, or the metrics truncated
+    # to the checkpoint so the resumed record has no duplicates (and no malformed lines).
+    metrics_path, summary_path = out_dir / schema.METRICS_NAME, out_dir / schema.SUMMARY_NAME
+    head = {**names, "seed": seed, "sweep": str(cfg.sweep)}
     fingerprint = records.fingerprint(resolved, overrides, str(device))
     writer = records.MetricsWriter(None)
-    wandb_logger = None
+    loggers: list = []
+
+    def make_summary(status: str, error: str | None) -> dict:
+        rows = records.read_metrics(metrics_path)  # every rank: rank 0's record (shared file system)
+        return {"status": status, "error": error, **head, **records.summarize(rows, counters),
+                "diverged": status == "diverged", "fingerprint": fingerprint}
+
     if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        records.truncate_metrics(metrics_path, start_step)
-        records.write_json_atomic(summary_path, {**head, "steps": start_step, "diverged": False, "fingerprint": fingerprint})
+        if not tcfg.get("resume", True) and rundir.has_record():
+            _say(f"train.resume=false: the earlier records of {out_dir} are now in {rundir.move_aside()}")
+        later, malformed = records.truncate_metrics(metrics_path, start_step)
+        if later or malformed:
+            _say(f"resuming {out_dir} at step {start_step}: dropped {later} line(s) of {schema.METRICS_NAME} "
+                 f"after that step and {malformed} malformed line(s)")
+        tags = [names["precision"], names["model"], names["data"], names["regime"], names["strategy"]]
+        loggers = instantiate_loggers(cfg.logger, RunInfo(
+            run_dir=out_dir, run_id=rundir.run_id(), config=resolved, group=str(cfg.sweep),
+            job_type=names["strategy"], tags=tags + [str(t) for t in cfg.get("tags") or []],
+            name=f"{names['strategy']}-{names['precision']}-{names['workload']}-s{seed}",
+        ))
+        records.write_summary(summary_path, make_summary("running", None))
         writer = records.MetricsWriter(metrics_path)
-        lcfg = OmegaConf.to_container(cfg.logger, resolve=True)
-        assert isinstance(lcfg, dict)
-        if lcfg.get("name") == "wandb":
-            lcfg["mode"] = os.environ.get("WANDB_MODE") or lcfg.get("mode")  # W&B's own variable wins
-        if lcfg.get("name") == "wandb" and lcfg["mode"] != "disabled":
-            tags = [names["precision"], names["model"], names["data"], names["regime"], names["strategy"]]
-            wandb_logger = records.WandbLogger(
-                out_dir,
-                lcfg,
-                resolved,
-                group=str(cfg.sweep),
-                job_type=names["strategy"],
-                tags=tags + list(lcfg.get("tags") or []) + list(cfg.get("tags") or []),
-                name=f"{names['strategy']}-{names['precision']}-{names['workload']}-s{seed}",
-            )
 
     def emit(row: dict) -> None:
         writer.write(row)
-        if wandb_logger is not None:
-            wandb_logger.log(row)
+        for logger in loggers:
+            logger.log(row)
 
     def save_checkpoint(step: int, status: str) -> None:
         if main and int(tcfg.checkpoint_every) > 0:
             ckpt.save(
-                out_dir / ckpt.CHECKPOINT_NAME,
-                {
-                    "step": step,
-                    "status": status,
-                    "model": raw_model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "strategy": strategy.state_dict(),
-                    "rng": ckpt.capture_rng(),
-                    "data_position": step,
-                    "counters": dict(counters),
-                    "loss_window": (loss_sum.detach().cpu().clone(), loss_count),
-                },
+                out_dir / schema.CHECKPOINT_NAME,
+                {"step": step, "status": status, "config": records.redact(resolved),
+                 "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "strategy": strategy.state_dict(), "rng": ckpt.capture_rng(), "data_position": step,
+                 "counters": dict(counters), "loss_window": (loss_sum.detach().cpu().clone(), loss_count)},
             )
 
     steps = int(tcfg.steps)
     log_every, hist_every = int(tcfg.log_every), int(tcfg.hist_every)
     eval_every, ckpt_every = int(tcfg.eval_every), int(tcfg.checkpoint_every)
-    warmup = int(tcfg.warmup)
+    warmup, max_skips = int(tcfg.warmup), int(tcfg.get("max_consecutive_skips", 0))
     kill_at = tcfg.get("kill_at_step")
-    status, error = "running", None
+    status, error, exit_code = "running", None, 1
     last_eval_step = -1
     loss_sum = torch.zeros((), device=device)
     loss_count = 0
@@ -338,23 +287,29 @@ def _train(
             with precision.autocast_context(device):
                 logits = model(batch["x"])
             loss = _loss_fn(logits, batch["y"])
-            ts = time.perf_counter()
-            scaled = strategy.scale(loss * m if m != 1.0 else loss)
-            t_strat = time.perf_counter() - ts
-            scaled.backward()
-            ts = time.perf_counter()
-            strategy.unscale_(optimizer)
-            t_strat += time.perf_counter() - ts
-            own_stats = _param_grad_stats(params) if log_now else None
-            if rescale and multiplier != 1.0:
-                grads = [p.grad for p in params if p.grad is not None]
-                torch._foreach_div_(grads, multiplier)
-            if float(tcfg.grad_clip) > 0:
-                torch.nn.utils.clip_grad_norm_(params, float(tcfg.grad_clip))
-            ts = time.perf_counter()
-            strategy.step(optimizer)
-            strategy.update()
-            t_strat += time.perf_counter() - ts - clock.elapsed
+            try:
+                ts = time.perf_counter()
+                scaled = strategy.scale(loss * m if m != 1.0 else loss)
+                t_strat = time.perf_counter() - ts
+                scaled.backward()
+                ts = time.perf_counter()
+                strategy.unscale_(optimizer)
+                t_strat += time.perf_counter() - ts
+                own_stats = telemetry.param_grad_stats(params) if log_now else {}
+                if rescale and multiplier != 1.0:
+                    grads = [p.grad for p in params if p.grad is not None]
+                    torch._foreach_div_(grads, multiplier)
+                if float(tcfg.grad_clip) > 0:
+                    torch.nn.utils.clip_grad_norm_(params, float(tcfg.grad_clip))
+                ts = time.perf_counter()
+                strategy.step(optimizer)
+                strategy.update()
+                t_strat += time.perf_counter() - ts - clock.elapsed
+            except ValueError as exc:
+                if step > start_step + 1:
+                    raise
+                # A strategy option that only shows at first use (e.g. a pattern matching nothing).
+                raise ConfigError(f"strategy: {one_line(exc)}") from None
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
             loss_count += 1
@@ -362,6 +317,7 @@ def _train(
             skipped = not clock.ran
             counters["steps"] = step
             counters["skipped_steps"] += int(skipped)
+            counters["consecutive_skips"] = counters.get("consecutive_skips", 0) + 1 if skipped else 0
             if step > warmup:
                 counters["timed_steps"] += 1
                 counters["step_time_sum"] += step_time
@@ -371,25 +327,11 @@ def _train(
                 loss_val, loss_avg = torch.stack([loss.detach().float(), loss_sum / loss_count]).tolist()
                 loss_sum.zero_()
                 loss_count = 0
-                tel = _read_telemetry(strategy)
-                row: dict[str, Any] = {"kind": "train", "step": step, "loss": loss_val, "loss_avg": loss_avg}
-                row["scale"] = float(tel.get("scale", 1.0)) if strategy.is_enabled() else 1.0
-                if "scales" in tel and isinstance(tel["scales"], list):
-                    row["scales"] = [float(v) for v in tel["scales"]]
-                    row["scale_groups"] = list(getattr(strategy, "group_names", []))
-                row["skipped"] = skipped
-                row["skipped_total"] = counters["skipped_steps"]
-                use_tel = strategy.is_enabled() and all(
-                    k in tel for k in ("grad_absmax", "grad_norm", "grad_zero_frac", "grad_subnormal_frac")
-                )
-                for key in ("grad_absmax", "grad_norm", "grad_zero_frac", "grad_subnormal_frac"):
-                    row[key] = float(tel[key]) if use_tel else own_stats[key]  # type: ignore[index]
+                row: dict[str, Any] = {"kind": schema.KIND_TRAIN, "step": step}
+                row.update(telemetry.flatten(telemetry.read(strategy), strategy.group_names, own_stats))
+                row.update(loss=loss_val, loss_avg=loss_avg, skipped=skipped, skipped_total=counters["skipped_steps"])
                 row.update(hooks.read())
-                row["lr"] = float(optimizer.param_groups[0]["lr"])
-                row["step_time_s"] = step_time
-                row["strategy_time_s"] = t_strat
-                if "probe_time_s" in tel:
-                    row["probe_time_s"] = float(tel["probe_time_s"])
+                row.update(lr=float(optimizer.param_groups[0]["lr"]), step_time_s=step_time, strategy_time_s=t_strat)
                 emit(row)
                 bar.set_postfix(loss=f"{loss_val:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
                 if not math.isfinite(loss_val) or loss_val > float(tcfg.divergence_loss):
@@ -400,11 +342,17 @@ def _train(
 
             if eval_every and step % eval_every == 0:
                 ev = _evaluate(model, data, precision, device, int(tcfg.eval_batches))
-                emit({"kind": "eval", "step": step, **ev})
+                emit({"kind": schema.KIND_EVAL, "step": step, **ev})
                 last_eval_step = step
                 if not math.isfinite(ev["eval_loss"]):
                     status, error = "diverged", f"eval loss is non-finite at step {step}"
                     break
+            if max_skips and counters["consecutive_skips"] >= max_skips:
+                status = "stalled"
+                error = (f"the strategy skipped {max_skips} steps in a row (steps {step - max_skips + 1}-{step}, "
+                         f"non-finite gradients; scale now {float(strategy.get_scale()):.3g}): the loss scale has "
+                         "collapsed (train.max_consecutive_skips)")
+                break
             if ckpt_every and step % ckpt_every == 0 and step < steps:
                 save_checkpoint(step, "running")
             bar.update(1)
@@ -416,41 +364,26 @@ def _train(
         if status == "running":
             if last_eval_step != step:
                 ev = _evaluate(model, data, precision, device, int(tcfg.eval_batches))
-                emit({"kind": "eval", "step": step, **ev})
+                emit({"kind": schema.KIND_EVAL, "step": step, **ev})
                 if not math.isfinite(ev["eval_loss"]):
                     status, error = "diverged", f"eval loss is non-finite at step {step}"
             if status == "running":
                 status = "completed"
         save_checkpoint(step, status)
+        exit_code = 0
     except BaseException as exc:
+        status, error = "failed", one_line(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        # The one place the final summary is written (completed, diverged, stalled or failed).
         bar.close()
         writer.close()
-        message = " ".join(f"{type(exc).__name__}: {exc}".split())
-        summary = _summary(head, "failed", message, fingerprint, metrics_path, counters)
-        if main:
-            records.write_json_atomic(summary_path, summary)
-            if wandb_logger is not None:
-                wandb_logger.finish(summary, exit_code=1)
         hooks.remove()
-        raise
-    bar.close()
-    writer.close()
-    hooks.remove()
-    summary = _summary(head, status, error, fingerprint, metrics_path, counters)
-    if main:
-        records.write_json_atomic(summary_path, summary)
-        if wandb_logger is not None:
-            wandb_logger.finish(summary, exit_code=0)
+        if callable(getattr(strategy, "detach", None)):
+            strategy.detach()
+        summary = make_summary(status, error)
+        if main:
+            records.write_summary(summary_path, summary)
+            for logger in loggers:
+                logger.finish(summary, exit_code=exit_code)
     return summary
-
-
-def _summary(head: dict, status: str, error: str | None, fingerprint: dict, metrics_path: Path, counters: dict) -> dict:
-    rows = records.read_metrics(metrics_path) if metrics_path.exists() else []
-    return {
-        **head,
-        "status": status,
-        "error": error,
-        **records.summarize(rows, counters),
-        "diverged": status == "diverged",
-        "fingerprint": fingerprint,
-    }

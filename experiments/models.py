@@ -20,14 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.options import check_option
+
 __all__ = ["GPT", "MLP", "CNN"]
 
 
-def _check(name: str, value: float, low: float, high: float | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` when ``value`` is outside ``[low, high]``."""
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"model.{name} must be {allowed}, got {value}")
+def _check(name: str, value: object, low: float, high: float | None = None) -> None:
+    check_option("model", name, value, low, high)
 
 
 def _scale_init(model: nn.Module, init_scale: float) -> None:

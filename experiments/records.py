@@ -1,16 +1,18 @@
-"""Run records (``metrics.jsonl``, ``summary.json``) and the W&B mirror — see ``docs/run-records.md``.
+"""Run records (``metrics.jsonl``, ``summary.json``), written through ``experiments/schema.py``.
 
-``metrics.jsonl`` is appended and flushed line by line, so a killed run keeps what it wrote; on
-resume it is truncated back to the checkpoint's step (:func:`truncate_metrics`) so the record has
-no duplicate steps. ``summary.json`` is written atomically at start (``running``) and at the end;
-its numbers are computed from ``metrics.jsonl`` itself plus the loop's host counters, so a resumed
-run summarises its whole history. W&B, when on, gets the same keys; it is never the only copy,
-and nothing secret (API keys, tokens) is ever written to a record.
+Every line and every summary is checked against the schema before it is written: a key the
+schema does not know is a programming error (``KeyError``), so file names, line kinds and keys
+are spelled in one place. ``metrics.jsonl`` is appended and flushed line by line, so a killed run
+keeps what it wrote; on resume it is truncated back to the checkpoint's step
+(:func:`truncate_metrics`), keeping every valid line up to it and dropping malformed ones, so the
+record has no duplicate steps and a bad line never blocks a resume. ``summary.json`` is written
+atomically (``running`` at start, the final one at the end); its numbers are computed from
+``metrics.jsonl`` itself plus the loop's host counters, so a resumed run summarises its whole
+history. Nothing secret (API keys, tokens) is ever written to a record.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -22,10 +24,13 @@ from typing import Any
 
 import torch
 
+from experiments import schema
+
 __all__ = [
     "MetricsWriter",
-    "WandbLogger",
+    "check",
     "read_json",
+    "write_summary",
     "read_metrics",
     "truncate_metrics",
     "write_json_atomic",
@@ -34,8 +39,8 @@ __all__ = [
     "redact",
 ]
 
-METRICS_NAME = "metrics.jsonl"
-SUMMARY_NAME = "summary.json"
+_LINE_FIELDS = {schema.KIND_TRAIN: schema.TRAIN_FIELDS, schema.KIND_EVAL: schema.EVAL_FIELDS,
+                schema.KIND_FIDELITY: schema.FIDELITY_FIELDS}
 _SECRET = re.compile(r"(api[_-]?key|token|secret|password|passwd)", re.IGNORECASE)
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +57,15 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def check(fields: dict[str, schema.Field], record: dict) -> dict:
+    """``record`` if every key is a field of ``fields`` and every required field is present."""
+    unknown = [k for k in record if k not in fields]
+    missing = [f.name for f in fields.values() if not f.optional and f.name not in record]
+    if unknown or missing:
+        raise KeyError(f"record does not follow the schema: unknown keys {unknown}, missing {missing}")
+    return record
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
     path = Path(path)
@@ -60,36 +74,64 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_summary(path: str | Path, summary: dict) -> None:
+    """``summary.json``, checked against ``schema.SUMMARY_FIELDS``, written atomically."""
+    write_json_atomic(path, check(schema.SUMMARY_FIELDS, summary))
+
+
 def read_json(path: str | Path) -> dict:
-    """A JSON file as a dict (``{}`` when it does not exist)."""
+    """A JSON object file as a dict (``{}`` when it does not exist, is unreadable or not an object)."""
     path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else {}
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _valid_line(line: str) -> dict | None:
+    """A ``metrics.jsonl`` line as a dict when it is a JSON object of a known kind with an integer step."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or row["kind"] not in _LINE_FIELDS:
+        return None
+    step = row.get("step")
+    return row if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """All complete JSON lines of a ``metrics.jsonl`` (a torn last line from a kill is dropped)."""
+    """The valid lines of a ``metrics.jsonl`` (torn or malformed lines are left out)."""
     path = Path(path)
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    rows = (_valid_line(line) for line in path.read_text(errors="replace").splitlines())
+    return [r for r in rows if r is not None]
 
 
-def truncate_metrics(path: str | Path, step: int) -> int:
-    """Keep only the lines with ``step <= step`` (atomic rewrite); return how many were dropped."""
+def truncate_metrics(path: str | Path, step: int) -> tuple[int, int]:
+    """Keep the valid lines with ``step <= step`` (atomic rewrite, lines kept byte for byte).
+
+    Returns ``(later, malformed)``: how many valid lines after ``step`` and how many malformed
+    lines (not JSON, not an object, unknown kind, non-integer step) were dropped.
+    """
     path = Path(path)
-    rows = read_metrics(path)
-    kept = [r for r in rows if int(r.get("step", 0)) <= step]
-    if path.exists():
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
-    return len(rows) - len(kept)
+    if not path.exists():
+        return 0, 0
+    kept, later, malformed = [], 0, 0
+    for line in path.read_text(errors="replace").splitlines():
+        row = _valid_line(line)
+        if row is None:
+            malformed += int(bool(line.strip()))
+        elif row["step"] > step:
+            later += 1
+        else:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return later, malformed
 
 
 class MetricsWriter:
@@ -100,6 +142,7 @@ class MetricsWriter:
         self._f = open(self.path, "a") if self.path is not None else None
 
     def write(self, row: dict) -> None:
+        check(_LINE_FIELDS[row["kind"]], row)
         if self._f is not None:
             self._f.write(json.dumps(_clean(row)) + "\n")
             self._f.flush()
@@ -156,8 +199,9 @@ def summarize(rows: list[dict], counters: dict) -> dict:
     ``counters``: ``steps``, ``skipped_steps``, ``timed_steps``, ``step_time_sum``,
     ``strategy_time_sum`` (sums over the steps after ``warmup``).
     """
-    train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    train = [schema.coerce_row(schema.TRAIN_FIELDS, r) for r in rows if r.get("kind") == schema.KIND_TRAIN]
+    evals = [schema.coerce_row(schema.EVAL_FIELDS, r) for r in rows if r.get("kind") == schema.KIND_EVAL]
+    evals = [e for e in evals if e.get("eval_loss") is not None]
     eval_losses = [e["eval_loss"] for e in evals if _finite_or_none(e.get("eval_loss")) is not None]
     n = counters.get("timed_steps", 0)
     mean_step = counters["step_time_sum"] / n if n else None
@@ -174,79 +218,3 @@ def summarize(rows: list[dict], counters: dict) -> dict:
         "strategy_overhead_s": overhead,
         "strategy_overhead_frac": (overhead / mean_step) if (overhead is not None and mean_step) else None,
     }
-
-
-def _flatten(row: dict, prefix: str = "") -> dict:
-    """``{"act_zero_frac": {"head": x}}`` -> ``{"act_zero_frac/head": x}`` (W&B panel names)."""
-    out: dict = {}
-    for k, v in row.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "/"))
-        else:
-            out[key] = v
-    return out
-
-
-class WandbLogger:
-    """Mirror of the run record in Weights & Biases (``conf/logger/wandb.yaml``).
-
-    ``group`` = the sweep name, ``job_type`` = the strategy, ``tags`` = precision, model, data,
-    regime plus the configured ones. Files go to ``$WANDB_DIR`` when set, else to the run
-    directory. The run id is derived from the run directory, so a resumed run continues the same
-    W&B run. Only the redacted config is sent.
-    """
-
-    def __init__(
-        self,
-        run_dir: Path,
-        logger_cfg: dict,
-        config: dict,
-        *,
-        group: str,
-        job_type: str,
-        tags: list[str],
-        name: str,
-    ) -> None:
-        import wandb  # lazy: importing wandb costs about a second
-
-        self._wandb = wandb
-        wandb_dir = os.environ.get("WANDB_DIR") or str(run_dir)
-        Path(wandb_dir).mkdir(parents=True, exist_ok=True)
-        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        self.run = wandb.init(
-            project=logger_cfg.get("project", "scalelab"),
-            entity=logger_cfg.get("entity"),
-            mode=logger_cfg.get("mode", "offline"),
-            group=group,
-            job_type=job_type,
-            tags=sorted(set(tags)),
-            name=name,
-            dir=wandb_dir,
-            id=run_id,
-            resume="allow",
-            config=redact(config),
-            settings=wandb.Settings(
-                silent=True,
-                console="off",
-                save_code=False,
-                disable_git=True,  # the fingerprint records git already
-                x_disable_stats=not logger_cfg.get("system_stats", False),
-                x_disable_machine_info=not logger_cfg.get("system_stats", False),
-            ),
-        )
-
-    def log(self, row: dict) -> None:
-        data = {k: v for k, v in row.items() if k not in ("kind", "step", "act_exp_hist")}
-        hist = row.get("act_exp_hist")
-        if hist is not None:
-            edges = list(range(hist["lo"], hist["lo"] + len(hist["counts"]) + 1))
-            data["act_exp_hist"] = self._wandb.Histogram(np_histogram=(hist["counts"], edges))
-        prefix = "eval/" if row.get("kind") == "eval" else "train/"
-        self.run.log({prefix + k: v for k, v in _flatten(data).items()}, step=int(row["step"]))
-
-    def finish(self, summary: dict, exit_code: int) -> None:
-        for k, v in summary.items():
-            if k != "fingerprint" and (v is None or isinstance(v, (int, float, str, bool))):
-                self.run.summary[k] = v
-        self.run.finish(exit_code=exit_code)

@@ -9,7 +9,10 @@ A run directory holds::
     summary.json     SUMMARY_FIELDS, written atomically at start (status "running") and at the end
     metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train"), EVAL_FIELDS (kind "eval")
                      or FIDELITY_FIELDS (kind "fidelity", every train.fidelity_every steps)
-    checkpoint.pt    model, optimizer, strategy, RNG, step (torch.load(weights_only=True))
+    checkpoint.pt    model, optimizer, strategy, RNG, step, config (torch.load(weights_only=True))
+    run.lock         held (flock) by the one process writing this directory, for the run's lifetime
+    replaced-<n>/    the records of an earlier run moved aside by ``train.resume=false``, renamed
+                     ``<name>.old`` so that readers never take them for a run of their own
 
 :func:`coerce` turns one untrusted value into its field's type or ``None`` (never raises): what a
 reader does with a record written by an older version, a crashed run or a hostile hand.
@@ -23,6 +26,9 @@ from typing import Any, Mapping
 
 __all__ = [
     "CHECKPOINT_NAME",
+    "LOCK_NAME",
+    "REPLACED_PREFIX",
+    "REPLACED_SUFFIX",
     "EVAL_FIELDS",
     "FIDELITY_FIELDS",
     "Field",
@@ -38,14 +44,18 @@ __all__ = [
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 CHECKPOINT_NAME = "checkpoint.pt"
+LOCK_NAME = "run.lock"
+REPLACED_PREFIX = "replaced-"
+REPLACED_SUFFIX = ".old"
 
 KIND_TRAIN = "train"
 KIND_EVAL = "eval"
 KIND_FIDELITY = "fidelity"
 
-STATUSES = ("running", "completed", "diverged", "failed")
+STATUSES = ("running", "completed", "diverged", "failed", "stalled")
 """``summary.json`` ``status`` values. ``running`` on disk after the process ended means the run was
-killed; readers call such a run ``incomplete``."""
+killed; readers call such a run ``incomplete``. ``stalled``: the strategy skipped
+``train.max_consecutive_skips`` steps in a row (the scale collapsed); ``error`` says so."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,7 @@ FIDELITY_FIELDS = _fields(
 SUMMARY_FIELDS = _fields(
     Field("status", str, "one of STATUSES"),
     Field("error", str, "one-line reason when not completed", optional=True),
-    Field("strategy", str, "registered strategy name, or none (no scaling)"),
+    Field("strategy", str, "strategy option chosen (conf/strategy/<option>.yaml; a rule or a preset), or none (no scaling)"),
     Field("precision", str, "fp32, fp16, bf16, fp8_e4m3, fp8_e5m2"),
     Field("model", str, "config-group choice"),
     Field("data", str, "config-group choice"),

@@ -11,9 +11,12 @@ Config tree: ``conf/config.yaml`` (groups ``model``, ``data``, ``precision``, ``
 
 Before Hydra starts, :func:`main` checks the command-line overrides: a malformed override or an
 unknown choice for one of this project's config groups ends with one line naming the option and
-the allowed values, and exit code 2 (Hydra's own messages for these span several lines). A bad
+the allowed values, and exit code 2 (Hydra's own messages for these span several lines). For a
+single run, :func:`preflight` then composes the config as Hydra will and validates it (values,
+``_target_`` allow-list, the output directory) before Hydra creates or writes anything. A bad
 value found while building the run (out of range, a model that cannot take the data, an unusable
-checkpoint) ends the same way in a single run; in a sweep the job fails with that one line.
+checkpoint, a directory holding another run or in use) ends the same way in a single run; in a
+sweep the job fails with that one line.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-__all__ = ["main", "check_overrides", "CONF_DIR", "GROUPS"]
+__all__ = ["main", "check_overrides", "preflight", "CONF_DIR", "GROUPS"]
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "data", "precision", "strategy", "regime", "logger")
@@ -86,7 +89,7 @@ def _app(cfg: DictConfig) -> float | None:
 
     hc = HydraConfig.get()
     try:
-        summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+        summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task), dict(hc.runtime.choices))
     except AppError as exc:
         if hc.mode == RunMode.RUN:
             # One run: the one-line message is the whole report (no "HYDRA_FULL_ERROR" banner).
@@ -96,9 +99,43 @@ def _app(cfg: DictConfig) -> float | None:
     return summary.get("final_eval_loss")
 
 
+def preflight(args: list[str]) -> str | None:
+    """For a single run (no ``-``/``--`` flags): a one-line error for a config that does not compose,
+    does not validate, or names an unusable output directory — found before Hydra creates that
+    directory or writes anything — or ``None``."""
+    if any(a.startswith("-") for a in args):
+        return None  # --multirun, --cfg, --help, ...: Hydra's own paths (each job is checked in run())
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    from experiments.build import AppError, one_line, validate
+    from experiments.rundir import RunDir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=args, return_hydra_config=True)
+        run_dir = Path(str(cfg.hydra.run.dir))
+    except Exception as exc:  # noqa: BLE001 - Hydra's composition errors span several lines
+        return one_line(exc)[:500]
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if "${hydra:" in OmegaConf.to_yaml(cfg):
+        return None  # resolves only inside Hydra's job (e.g. ${hydra:runtime.output_dir}): run() checks it
+    try:
+        validate(cfg)
+        RunDir.check_path(run_dir.resolve())
+        # Before Hydra rewrites .hydra/ of a run in progress or of another run (run() checks again).
+        rundir = RunDir(run_dir.resolve())
+        rundir.check_free()
+        rundir.resume_state(OmegaConf.to_container(cfg, resolve=True), cfg.train.resume)  # type: ignore[arg-type]
+    except AppError as exc:  # ConfigError included
+        return str(exc)
+    return None
+
+
 def main() -> None:
     """Console entry point (``scalelab-train``)."""
-    error = check_overrides(sys.argv[1:])
+    error = check_overrides(sys.argv[1:]) or preflight(sys.argv[1:])
     if error is not None:
         print(f"scalelab-train: error: {error}", file=sys.stderr)
         raise SystemExit(2)

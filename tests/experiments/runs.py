@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from experiments.loop import run
 from experiments.train import CONF_DIR
@@ -44,10 +44,20 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def compose_with_choices(*overrides: str) -> tuple[DictConfig, dict]:
+    """The task config as the app gets it, and Hydra's ``runtime.choices`` (the options chosen)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
+
+
 def run_tiny(run_dir: Path, *overrides: str, model: str = "mlp") -> tuple[dict, list[dict]]:
     """Train a tiny ``model`` in-process with ``overrides``; return (summary, metrics rows)."""
-    cfg = compose_cfg(*TINY[model], *QUIET, *overrides)
-    summary = run(cfg, run_dir, list(overrides))
+    cfg, choices = compose_with_choices(*TINY[model], *QUIET, *overrides)
+    summary = run(cfg, run_dir, list(overrides), choices)
     return summary, read_rows(run_dir)
 
 

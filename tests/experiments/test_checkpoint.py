@@ -57,7 +57,7 @@ def test_truncate_metrics_drops_later_steps_and_torn_lines(tmp_path) -> None:
     path = tmp_path / "metrics.jsonl"
     rows = [{"kind": "train", "step": s} for s in (5, 10, 15)] + [{"kind": "eval", "step": 10}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "st')
-    assert records.truncate_metrics(path, 10) == 1
+    assert records.truncate_metrics(path, 10) == (1, 1)  # (valid lines after step 10, malformed lines)
     assert records.read_metrics(path) == [rows[0], rows[1], rows[3]]
 
 

@@ -120,7 +120,7 @@ def test_out_of_range_value_is_a_one_line_error(tmp_path: Path) -> None:
 def test_wandb_offline_run_directory_has_the_logged_keys(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    summary, rows = run_tiny(tmp_path, "logger=wandb", "logger.mode=offline", "train.steps=6",
+    summary, rows = run_tiny(tmp_path, "logger=wandb", "logger.wandb.mode=offline", "train.steps=6",
                              "train.log_every=3", "train.hist_every=3", "sweep=wbtest")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))

@@ -3,6 +3,8 @@ refused with one-line errors naming the option; ``instantiate`` is restricted.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from experiments.build import (
     strategy_label,
     validate,
 )
+from experiments.loggers import RunInfo, instantiate_loggers
 from experiments.precision import Precision
 from experiments.train import GROUPS, group_options
 from tests.experiments.runs import QUIET, TINY, compose_cfg
@@ -25,6 +28,7 @@ from tests.experiments.runs import QUIET, TINY, compose_cfg
 # Which tiny model goes with each data option, and which data with each model option.
 DATA_FOR_MODEL = {"gpt": "gpt", "mlp": "mlp", "cnn": "cnn"}
 MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn"}
+_RUN = RunInfo(run_dir=Path("/nonexistent"), run_id="test", config={}, group="g", job_type="j", name="n")
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -42,7 +46,8 @@ def test_every_group_has_its_options() -> None:
 
 @pytest.mark.filterwarnings("ignore:norm_ratio. no reference closure")  # the loop supplies one; this test does not
 @pytest.mark.parametrize("group,option", _cases())
-def test_every_option_composes_and_builds(group: str, option: str) -> None:
+def test_every_option_composes_and_builds(group: str, option: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "disabled")
     if group == "model":
         tiny = TINY[DATA_FOR_MODEL[option]]
     elif group == "data":
@@ -77,7 +82,8 @@ def test_every_option_composes_and_builds(group: str, option: str) -> None:
     if group == "precision":
         assert precision.max > precision.smallest_normal > 0
     if group == "logger":
-        assert cfg.logger.name == option
+        loggers = instantiate_loggers(cfg.logger, _RUN)
+        assert [type(lg).__name__ for lg in loggers] == (["WandbLogger"] if option == "wandb" else [])
 
 
 def test_precision_files_carry_their_formats_range() -> None:
@@ -96,7 +102,6 @@ def test_precision_files_carry_their_formats_range() -> None:
         ("regime.loss_multiplier=0", "regime.loss_multiplier must be a number in [1e-12, 1e+06], got 0"),
         ("train.log_every=0", "train.log_every must be an integer >= 1, got 0"),
         ("regime.spike_steps=[1000]", "regime.spike_steps must be a list of steps in [1, train.steps=150]"),
-        ("logger.mode=sometimes", "logger.mode must be online, offline or disabled, got 'sometimes'"),
         ("train.divergence_loss=-1", "train.divergence_loss must be a number in (0, inf]"),
     ],
 )
@@ -105,6 +110,12 @@ def test_out_of_range_values_are_one_line_errors(override: str, needle: str) -> 
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_logger_options_are_checked_when_built() -> None:
+    cfg = compose_cfg("logger=wandb", "logger.wandb.mode=sometimes")
+    with pytest.raises(ConfigError, match=r"^logger.wandb: mode must be online, offline or disabled, got 'sometimes'$"):
+        instantiate_loggers(cfg.logger, _RUN)
 
 
 def test_constructor_errors_name_the_group() -> None:
@@ -133,21 +144,54 @@ def test_shape_arguments_come_from_the_data() -> None:
 @pytest.mark.parametrize(
     "target,needle",
     [
-        ("os.system", "is not allowed: targets must be in experiments., strategies. or be a torch class"),
-        ("builtins.eval", "is not allowed"),
-        ("torch.load", "from torch only classes may be instantiated"),
-        ("torch.hub.load", "from torch only classes may be instantiated"),
-        ("torch.NoSuchThing", "does not exist in torch"),
+        ("os.system", "is not allowed (resolves to posix.system); allowed: strategies.create, torch.optim."),
+        ("builtins.eval", "is not allowed (resolves to builtins.eval)"),
+        ("torch.load", "is not allowed (resolves to torch.serialization.load)"),
+        ("torch.hub.load", "is not allowed (resolves to torch.hub.load)"),
+        ("torch.NoSuchThing", "is not allowed (names nothing the app loads)"),
+        ("torch.optim.Optimizer", "is not allowed (resolves to torch.optim.optimizer.Optimizer)"),
+        ("torch.nn.Linear", "is not allowed (resolves to torch.nn.modules.linear.Linear)"),
+        # Issue 13 case 5: project-prefixed aliases of functions that load pickles or write files.
+        ("experiments.checkpoint.torch.load", "is not allowed (resolves to torch.serialization.load)"),
+        ("experiments.records.write_json_atomic", "is not allowed (resolves to experiments.records.write_json_atomic)"),
+        ("strategies.registry.__builtins__", "is not allowed"),
+        ("antigravity.fly", "is not allowed (names nothing the app loads)"),  # and it is never imported
     ],
 )
 def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
+    import sys
+
+    import experiments.checkpoint  # noqa: F401 - loaded in the app, so its alias resolves
+
     cfg = compose_cfg(*TINY["mlp"], f"optimizer._target_={target}")
     with pytest.raises(ConfigError, match=f"optimizer._target_='{target}'") as err:
         build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(1))])
-    assert needle in str(err.value)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert "antigravity" not in sys.modules
+
+
+@pytest.mark.parametrize("group", ["strategy", "model", "data", "optimizer"])
+def test_every_group_refuses_a_file_writing_target(group: str, tmp_path: Path) -> None:
+    """``strategy._target_=experiments.records.write_json_atomic`` and the like fail in validate(),
+    before anything is built or written."""
+    victim = tmp_path / "victim.json"
+    cfg = compose_cfg(*TINY["mlp"], f"{group}._target_=experiments.records.write_json_atomic",
+                      f"+{group}.path={victim}", f"+{group}.obj=pwned")
+    with pytest.raises(ConfigError, match=f"^{group}._target_='experiments.records.write_json_atomic' is not allowed"):
+        validate(cfg)
+    assert not victim.exists()
 
 
 def test_nested_targets_are_checked_too() -> None:
     with pytest.raises(ConfigError, match=r"^data.inner\[0\]._target_='subprocess.run' is not allowed"):
         check_targets({"_target_": "experiments.data.CharData", "inner": [{"_target_": "subprocess.run"}]}, "data")
     check_targets({"_target_": "torch.optim.SGD", "x": {"_target_": "strategies.create"}}, "ok")
+
+
+def test_records_name_the_strategy_option_chosen_not_the_rule_it_presets() -> None:
+    """A preset (e.g. megatron.yaml: name native with Megatron's defaults) must not be recorded as native."""
+    cfg = compose_cfg("strategy=native")
+    assert strategy_label(cfg) == "native"
+    assert strategy_label(cfg, {"strategy": "megatron"}) == "megatron"
+    assert strategy_label(compose_cfg("strategy=none"), {"strategy": "none"}) == "none"
+    assert strategy_label(compose_cfg("strategy=native", "+strategy.enabled=false"), {"strategy": "native"}) == "none"
