@@ -236,6 +236,7 @@ def validate(cfg: DictConfig) -> None:
     if kill is not None and (not isinstance(kill, int) or kill < 1):
         raise ConfigError(f"train.kill_at_step must be null or an integer >= 1, got {kill!r}")
     _int(cfg, "train.max_consecutive_skips", 0, " (0 = off)")
+    _int(cfg, "train.fidelity_every", 0, " (0 = off)")
     for key in ("train.resume", "train.deterministic", "train.progress"):
         if not isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")

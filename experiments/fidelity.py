@@ -28,7 +28,7 @@ import torch
 from strategies.boundaries import Boundaries, layers
 from strategies.reference import fp32_loss
 
-__all__ = ["capture_rng", "layer_of", "probe"]
+__all__ = ["capture_rng", "layer_of", "probe", "seconds"]
 
 
 def capture_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,6 +104,11 @@ def probe(
     out["skipped"] = not finite
     out["probe_time_s"] = time.perf_counter() - t0
     return out
+
+
+def seconds(row: dict[str, Any]) -> float:
+    """The wall time of the probe that produced ``row``."""
+    return float(row["probe_time_s"])
 
 
 def _metrics(s: list[float]) -> dict[str, float]:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
 from experiments import distributed as dist
-from experiments import records, schema, telemetry
+from experiments import fidelity, records, schema, telemetry
 from experiments.build import (
     AppError,
     ConfigError,
@@ -168,7 +168,7 @@ def _train(
     optimizer = build_optimizer(cfg, params)
     strategy = build_strategy(cfg)
     dist.seed_everything(seed, info, per_rank=True)
-    hooks = BoundaryHooks(raw_model, precision)
+    hooks = BoundaryHooks(raw_model, precision, seed)
     try:
         if callable(getattr(strategy, "attach", None)):
             strategy.attach(raw_model)
@@ -258,6 +258,8 @@ def _train(
     log_every, hist_every = int(tcfg.log_every), int(tcfg.hist_every)
     eval_every, ckpt_every = int(tcfg.eval_every), int(tcfg.checkpoint_every)
     warmup, max_skips = int(tcfg.warmup), int(tcfg.get("max_consecutive_skips", 0))
+    fid_every = int(tcfg.get("fidelity_every", 0)) if info.world_size == 1 else 0  # single process only
+    fid_layers = fidelity.layer_of(raw_model)
     kill_at = tcfg.get("kill_at_step")
     status, error, exit_code = "running", None, 1
     last_eval_step = -1
@@ -283,6 +285,7 @@ def _train(
             x, y = dist.shard_batch(data.batch(int(tcfg.batch_size), step_generator(seed, step)), info)
             batch.update(x=x.to(device), y=y.to(device), m=m)
             clock.reset()
+            rng = fidelity.capture_rng(device) if fid_every and step % fid_every == 0 else None
             t0 = time.perf_counter()
             with precision.autocast_context(device):
                 logits = model(batch["x"])
@@ -296,6 +299,8 @@ def _train(
                 strategy.unscale_(optimizer)
                 t_strat += time.perf_counter() - ts
                 own_stats = telemetry.param_grad_stats(params) if log_now else {}
+                probed = None if rng is None else fidelity.probe(  # the same loss as the scaled backward
+                    raw_model, lambda: _loss_fn(raw_model(batch["x"]), batch["y"]) * batch["m"], params, rng, fid_layers)
                 if rescale and multiplier != 1.0:
                     grads = [p.grad for p in params if p.grad is not None]
                     torch._foreach_div_(grads, multiplier)
@@ -314,6 +319,11 @@ def _train(
             loss_sum += loss.detach()
             loss_count += 1
             step_time = time.perf_counter() - t0
+            if probed is not None:  # kept out of step time and strategy overhead
+                seconds = fidelity.seconds(probed)
+                step_time -= seconds
+                counters["fidelity_time_s"] = counters.get("fidelity_time_s", 0.0) + seconds
+                emit({"kind": schema.KIND_FIDELITY, "step": step, **probed})
             skipped = not clock.ran
             counters["steps"] = step
             counters["skipped_steps"] += int(skipped)

@@ -217,4 +217,24 @@ def summarize(rows: list[dict], counters: dict) -> dict:
         "mean_step_time_s": mean_step,
         "strategy_overhead_s": overhead,
         "strategy_overhead_frac": (overhead / mean_step) if (overhead is not None and mean_step) else None,
+        **_fidelity_means(rows, counters),
+    }
+
+
+def _fidelity_means(rows: list[dict], counters: dict) -> dict:
+    """Means over the run's fidelity probes (skipped steps left out); empty when none ran."""
+    probes = [schema.coerce_row(schema.FIDELITY_FIELDS, r) for r in rows if r.get("kind") == schema.KIND_FIDELITY]
+    probes = [p for p in probes if not p.get("skipped")]
+    if not probes:
+        return {}
+
+    def mean(values: list) -> float | None:
+        finite = [v for v in values if _finite_or_none(v) is not None]
+        return sum(finite) / len(finite) if finite else None
+
+    return {
+        "fidelity_one_minus_cos_mean": mean([None if p.get("cosine") is None else 1.0 - p["cosine"] for p in probes]),
+        "fidelity_rel_err_mean": mean([p.get("rel_err") for p in probes]),
+        "fidelity_lost_frac_mean": mean([p.get("lost_frac") for p in probes]),
+        "fidelity_time_s": counters.get("fidelity_time_s"),
     }

@@ -90,3 +90,47 @@ def test_a_non_finite_step_is_marked_skipped() -> None:
     model[1].weight.grad[0, 0] = math.inf
     row = probe(model, lambda: model(x).sum(), list(model.parameters()), rng)
     assert row["skipped"] is True
+
+
+TRAIN_NUMBERS = ("loss", "loss_avg", "scale", "skipped_total", "grad_absmax", "grad_norm", "grad_zero_frac")
+
+
+@pytest.mark.parametrize("strategy,precision,model", [
+    ("native", "fp16", "gpt"), ("max_ema", "fp16", "mlp"), ("layerwise", "fp16", "mlp"),
+    ("norm_ratio", "fp16", "mlp"), ("native", "fp8_e5m2", "mlp"), ("none", "fp16", "mlp"),
+])
+def test_training_is_bit_identical_with_the_probe_on_or_off(tmp_path, strategy: str, precision: str,
+                                                           model: str) -> None:
+    """The probe runs between unscale_ and the optimizer step every `train.fidelity_every` steps;
+    every training number (losses, scales, gradient statistics, evaluation) is unchanged."""
+    from tests.experiments.runs import run_tiny
+
+    common = (f"strategy={strategy}", f"precision={precision}", "regime=small_grad", "train.steps=12",
+              "train.log_every=2", "train.eval_every=6")
+    off, rows_off = run_tiny(tmp_path / "off", *common, model=model)
+    on, rows_on = run_tiny(tmp_path / "on", *common, "train.fidelity_every=3", model=model)
+    strip = lambda rows, kind: [{k: r.get(k) for k in TRAIN_NUMBERS + ("eval_loss", "step")}  # noqa: E731
+                                for r in rows if r["kind"] == kind]
+    assert strip(rows_on, "train") == strip(rows_off, "train")
+    assert strip(rows_on, "eval") == strip(rows_off, "eval")
+    fid = [r for r in rows_on if r["kind"] == "fidelity"]
+    assert [r["step"] for r in fid] == [3, 6, 9, 12] and not any(r["kind"] == "fidelity" for r in rows_off)
+    for r in fid:
+        assert r["rel_err"] >= 0 and 0.0 <= r["lost_frac"] <= 1.0
+        # cosine is NaN exactly when the mixed-precision gradient is all zero (everything lost)
+        assert (-1.0 <= r["cosine"] <= 1.0 + 1e-9) if r["lost_frac"] < 1.0 else math.isnan(r["cosine"])
+        assert set(r["layer_cosine"]) == set(r["layer_lost_frac"]) and r["probe_time_s"] > 0
+    assert off["final_eval_loss"] == on["final_eval_loss"] and off["skipped_steps"] == on["skipped_steps"]
+    assert "fidelity_lost_frac_mean" not in off and on["fidelity_time_s"] > 0
+    assert 0.0 <= on["fidelity_lost_frac_mean"] <= 1.0
+    assert on["fidelity_one_minus_cos_mean"] is None or on["fidelity_one_minus_cos_mean"] >= -1e-9
+
+
+def test_fidelity_separates_unscaled_fp16_from_a_scaled_run(tmp_path) -> None:
+    """At loss x 1e-6 fp16 without scaling loses most entries; native's 2^16 loses far fewer."""
+    from tests.experiments.runs import run_tiny
+
+    common = ("precision=fp16", "regime=small_grad", "train.steps=6", "train.fidelity_every=2")
+    none, _ = run_tiny(tmp_path / "none", "strategy=none", *common)
+    native, _ = run_tiny(tmp_path / "native", "strategy=native", *common)
+    assert none["fidelity_lost_frac_mean"] > 0.9 and native["fidelity_lost_frac_mean"] < 0.5 * none["fidelity_lost_frac_mean"]
