@@ -53,6 +53,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("act_zero_frac_mean", "act-grad zero fraction",
            "fraction of activation-gradient elements that are exactly zero (underflow plus "
            "structural zeros such as ReLU), averaged over layers and logged steps"),
+    Metric("fidelity_lost_frac_mean", "lost gradient entries",
+           "fraction of gradient entries nonzero in fp32 but zero in mixed precision, mean over the "
+           "fidelity probes (train.fidelity_every)"),
+    Metric("fidelity_one_minus_cos_mean", "1 - cosine to fp32",
+           "1 - cosine similarity of the unscaled mixed-precision gradient and the fp32 gradient, mean "
+           "over the fidelity probes"),
 )
 PRIMARY = METRICS[0].column
 
