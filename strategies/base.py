@@ -28,7 +28,7 @@ from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams
 from strategies.state import (FAULT_STATE, RuleState, ScaleFloorError, State, base_state, from_state_dict,
                               raise_fault, telemetry_of, to_state_dict)
-from strategies.stats import GradStats, gather
+from strategies.stats import GradStats, all_reduce_, gather
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -313,6 +313,10 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             for st in self._per_optimizer_states.values():
                 if st["stats"] is not None:
                     stats = st["stats"] if stats is None else stats.combine(st["stats"])
+            mode = self._distributed_mode()
+            if mode is not None:  # rank-local observations the rule declared with reduce=...
+                all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "sum"], "sum")
+                all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "max"], "max")
             self.update_(found_inf, stats)
             if self.params.min_scale is not None or self.params.max_scale is not None:
                 state.scale.clamp_(min=self.params.min_scale, max=self.params.max_scale)

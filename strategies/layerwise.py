@@ -213,9 +213,10 @@ class LayerwiseStrategy(Strategy):
         _per_group("hysteresis", torch.int32, 1),
         _per_group("candidate", torch.float32, math.nan, saved=False),
         _per_group("overflow_origin", torch.float32, 0.0, saved=False),
-        _per_group("emitted", torch.float32, 0.0, saved=False),
-        _per_group("contaminated", torch.float32, 0.0, saved=False),
-        *(State(n, torch.float32, 0.0, per_group=True, saved=False, when=_adaloss) for n in ("ada_g2", "ada_n", "ada_gmax")),
+        State("emitted", torch.float32, 0.0, per_group=True, saved=False, reduce="max"),
+        State("contaminated", torch.float32, 0.0, per_group=True, saved=False, reduce="max"),
+        *(State(n, torch.float32, 0.0, per_group=True, saved=False, when=_adaloss, reduce=op)
+          for n, op in (("ada_g2", "sum"), ("ada_n", "sum"), ("ada_gmax", "max"))),
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

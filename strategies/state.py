@@ -35,6 +35,9 @@ class State:
             (e.g. a fault flag only when the rule may raise); default: always.
         saved: kept in ``state_dict`` (telemetry-only values are not).
         low: the smallest valid value when loading (``None``: any); floats must also be finite.
+        reduce: ``"sum"`` or ``"max"``: under ``torch.distributed`` the base class reduces this
+            tensor across ranks before ``update_`` (a rank-local observation, e.g. a histogram of
+            each rank's activation gradients), so every rank decides alike.
     """
 
     name: str
@@ -43,6 +46,7 @@ class State:
     per_group: bool = False
     saved: bool = True
     low: float | None = None
+    reduce: str | None = None
     length: int | str | None = None
     when: Callable[[Any], bool] | None = None
 

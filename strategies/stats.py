@@ -128,6 +128,19 @@ def grads_by_device(
     return params, grads
 
 
+def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:
+    """SUM- or MAX-reduce ``tensors`` in place across the ranks of the default process group (one
+    collective: packed into float64)."""
+    if not tensors:
+        return
+    import torch.distributed as dist
+
+    packed = torch.cat([t.double().reshape(-1) for t in tensors])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    for t, part in zip(tensors, packed.split([t.numel() for t in tensors])):
+        t.copy_(part.reshape(t.shape).to(t.dtype))
+
+
 def mean_over_ranks_(t: torch.Tensor) -> torch.Tensor:
     """``t`` replaced in place by its mean over the ranks of the default process group."""
     import torch.distributed as dist

@@ -103,7 +103,7 @@ class UnderflowTargetStrategy(Strategy):
     ``target`` of them fall below the smallest normal (module docstring). ``attach(model)``."""
 
     Params = UnderflowTargetParams
-    state_spec = (State("exp_hist", torch.float32, 0.0, saved=False, length=E_BINS),)
+    state_spec = (State("exp_hist", torch.float32, 0.0, saved=False, length=E_BINS, reduce="sum"),)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)

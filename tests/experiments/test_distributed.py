@@ -232,6 +232,9 @@ def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any
 @pytest.mark.parametrize("name", strategies.available())
 def test_without_all_reduce_the_ranks_disagree(ranks: list[dict[str, Any]], name: str) -> None:
     """Control: distributed="off" -- rank 0 steps on the Inf step, rank 1 skips; they part."""
+    if name == "underflow_target":
+        pytest.skip("underflow_target places S from each rank's own activation gradients every step (its "
+                    "histogram is declared reduce='sum'): without the reduction its ranks part before the Inf step")
     r0, r1 = (r["runs"][(name, "off")] for r in ranks)
     assert torch.equal(r0[INF_STEP - 1]["params"], r1[INF_STEP - 1]["params"])  # DDP kept them equal so far
     assert r0[INF_STEP]["stepped"] and not r1[INF_STEP]["stepped"]
