@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     stats_rows: list[dict[str, Any]] = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"\w+: no reference closure")  # probe rules run without one here
+        warnings.filterwarnings("ignore", message=r"underflow_target: not attached")  # (a) and (d) time the step alone
         for size in sizes:
             tensors = min(args.tensors, size)
             print(f"measuring {human(size)} parameters in {tensors} tensors ...", file=sys.stderr, flush=True)
