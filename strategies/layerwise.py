@@ -363,13 +363,13 @@ class LayerwiseStrategy(Strategy):
             if lo is not None or hi is not None:
                 s.scale.clamp_(min=lo, max=hi)
             s.overflow_origin.copy_(blamed.float())
-            for t in (s.ada_g2, s.ada_n, s.ada_gmax, s.contaminated, s.emitted):
+            for t in (s.ada_g2, s.ada_n, s.ada_gmax):
                 t.zero_()
-            return
-        kernels.dispatch("layerwise_update_", layerwise_update_, s.scale, s.growth_tracker, s.ema, s.ema_steps,
-                         s.hysteresis, s.candidate, s.overflow_origin, found_inf, stats.found_inf, stats.absmax,
-                         stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,
-                         p.growth_factor, p.backoff_factor, p.growth_interval, p.zero_grads == "grow", lo, hi,
-                         p.cap_ema_on_overflow)
+        else:
+            kernels.dispatch("layerwise_update_", layerwise_update_, s.scale, s.growth_tracker, s.ema, s.ema_steps,
+                             s.hysteresis, s.candidate, s.overflow_origin, found_inf, stats.found_inf, stats.absmax,
+                             stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,
+                             p.growth_factor, p.backoff_factor, p.growth_interval, p.zero_grads == "grow", lo, hi,
+                             p.cap_ema_on_overflow)
         s.contaminated.zero_()
         s.emitted.zero_()
