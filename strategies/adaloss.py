@@ -21,6 +21,7 @@ where the overflow originated back off (``layerwise``'s attribution) and the oth
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,8 +29,10 @@ import torch
 __all__ = ["adaloss_update_", "record_", "weight_stats"]
 
 
+@functools.lru_cache(maxsize=8)
 def _erfinv(y: float) -> float:
-    """erfinv by bisection on math.erf (host, once per call; no scipy in the library)."""
+    """erfinv by bisection on math.erf (host; cached: the rate is a hyper-parameter, so this runs
+    once per value, not once per update; no scipy in the library)."""
     lo, hi = 0.0, 6.0
     for _ in range(100):
         mid = (lo + hi) / 2
