@@ -26,8 +26,8 @@ from torch.amp.grad_scaler import OptState
 
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams
-from strategies.state import (FAULT_STATE, RuleState, ScaleFloorError, State, base_state, from_state_dict,
-                              raise_fault, telemetry_of, to_state_dict)
+from strategies.state import (RuleState, ScaleFloorError, State, base_state, from_state_dict, raise_fault,
+                              telemetry_of, to_state_dict)
 from strategies.stats import GradStats, all_reduce_, gather
 
 
@@ -71,7 +71,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     * ``group_index(params)``, ``num_groups``, ``group_names``, ``output_group`` — per-group rules.
 
     **Faults** (a rule that must end training, e.g. ``on_min_scale="raise"``): the rule declares
-    ``FAULT_STATE`` and writes the update number of the fault into it on the device;
+    :data:`strategies.state.FAULT_STATE` and writes the update number of the fault into it on the device;
     :meth:`step` reads it with ``found_inf`` in its one host read and raises
     :class:`ScaleFloorError` before the optimizer steps. Fused optimizers have no host read in
     ``step()``: there ``telemetry()["fault"]`` is non-zero and :meth:`get_scale` raises
