@@ -9,10 +9,12 @@ BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.scalelab-installed
 OUT        ?= runs/compare
 REPORT     ?= reports/compare
+EXPERIMENT ?= compare
+TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare report bench clean
+.PHONY: help setup test test-all compare compare-full report bench clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,9 +34,13 @@ test-all: setup ## Run every test, slow ones included
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 compare: setup ## Run the default comparison sweep on the CPU and write its report
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train -m +experiment=compare hydra.sweep.dir=$(OUT)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train -m +experiment=compare_fp32 hydra.sweep.dir=$(OUT)
+	$(TRAIN) -m +experiment=$(EXPERIMENT) hydra.sweep.dir=$(OUT)
+	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 regime=plain hydra.sweep.dir=$(OUT)
+	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
+
+compare-full: setup ## The larger comparison (every preset, 8 seeds, twice the steps): runs/compare_full
+	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)

@@ -29,6 +29,7 @@ from experiments import data as _data
 from experiments import loggers as _loggers
 from experiments import models as _models
 from experiments.precision import Precision
+from experiments.recipe import DECAYS, decay_groups
 
 __all__ = [
     "ConfigError",
@@ -224,6 +225,10 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "train.checkpoint_every", 0, " (0 = never)")
     _int(cfg, "train.warmup", 0)
     _float(cfg, "train.grad_clip", 0.0, float("inf"))
+    _int(cfg, "train.lr_warmup", 0)
+    _float(cfg, "train.min_lr_ratio", 0.0, 1.0)
+    if OmegaConf.select(cfg, "train.lr_decay") not in DECAYS:
+        raise ConfigError(f"train.lr_decay must be one of {', '.join(DECAYS)}, got {OmegaConf.select(cfg, 'train.lr_decay')!r}")
     _float(cfg, "train.divergence_loss", 0.0, float("inf"), low_open=True)
     _float(cfg, "regime.loss_multiplier", 1e-12, 1e6)
     _float(cfg, "regime.spike_factor", 0.0, 1e12, low_open=True)
@@ -276,7 +281,12 @@ def build_model(cfg: DictConfig, data: Any) -> torch.nn.Module:
 
 
 def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    opt = safe_instantiate(cfg.optimizer, "optimizer", params=list(params))
+    """The optimizer from ``cfg.optimizer``; a positive ``weight_decay`` applies to matrices only
+    (nanoGPT's groups, :func:`experiments.recipe.decay_groups`)."""
+    params = list(params)
+    wd = OmegaConf.select(cfg, "optimizer.weight_decay", default=None)
+    groups = decay_groups(params, float(wd)) if isinstance(wd, (int, float)) and wd > 0 else params
+    opt = safe_instantiate(cfg.optimizer, "optimizer", params=groups, _convert_="all")  # groups as dicts
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError(f"optimizer._target_ must build a torch.optim.Optimizer, got {type(opt).__name__}")
     return opt

@@ -39,8 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
-from experiments import distributed as dist
-from experiments import fidelity, records, schema, telemetry
+from experiments import distributed as dist, fidelity, recipe, records, schema, telemetry
 from experiments.build import (
     AppError,
     ConfigError,
@@ -176,6 +175,7 @@ def _train(
         hooks.remove()
         raise ConfigError(f"strategy: {one_line(exc)}") from None
     clock = telemetry.OptimizerClock(optimizer)
+    lr_for = recipe.schedule(tcfg, optimizer.param_groups[0]["lr"])  # the base rate, before a resumed state
 
     counters = {"steps": 0, "skipped_steps": 0, "consecutive_skips": 0, "timed_steps": 0,
                 "step_time_sum": 0.0, "strategy_time_sum": 0.0}
@@ -284,6 +284,7 @@ def _train(
             m = multiplier * (spike_factor if step in spike_steps else 1.0)
             x, y = dist.shard_batch(data.batch(int(tcfg.batch_size), step_generator(seed, step)), info)
             batch.update(x=x.to(device), y=y.to(device), m=m)
+            recipe.set_lr(optimizer, lr_for(step))
             clock.reset()
             rng = fidelity.capture_rng(device) if fid_every and step % fid_every == 0 else None
             t0 = time.perf_counter()

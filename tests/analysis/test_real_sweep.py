@@ -65,13 +65,16 @@ def test_report_on_a_tiny_real_sweep(tmp_path: Path, capsys):
 
 @pytest.mark.slow
 def test_report_on_the_compare_tiny_grid(tmp_path: Path):
-    """`make compare` on the tiny grid: every strategy × 2 regimes × 3 seeds + fp32 reference."""
+    """`make compare`'s three sweeps on the tiny grid: every strategy x 3 regimes in fp16, in fp8_e5m2,
+    and the fp32 reference and bf16 control, 5 seeds each."""
     sweep = tmp_path / "sweep"
-    _train(sweep, "+experiment=compare_tiny", timeout=900)
-    _train(sweep, "+experiment=compare_tiny_fp32", timeout=600)
+    _train(sweep, "+experiment=compare_tiny", timeout=1800)
+    _train(sweep, "+experiment=compare_tiny", "precision=fp8_e5m2", "regime=plain", timeout=900)
+    _train(sweep, "+experiment=compare_tiny", "precision=fp32,bf16", "strategy=none", timeout=900)
     out = tmp_path / "report"
     assert main([str(sweep), "--out", str(out)]) == 0
     html = _check_report(out, n_runs=len(list(sweep.rglob("summary.json"))))
     assert "Verdict:" in html
     res = pd.read_csv(out / "results.csv")
-    assert set(res["workload"]) == {"gpt/stdlib_chars/plain", "gpt/stdlib_chars/small_grad"}
+    assert set(res["workload"]) == {f"gpt/stdlib_chars/{r}" for r in ("plain", "tiny_grad", "spikes")}
+    assert set(res["precision"]) == {"fp16", "fp8_e5m2", "fp32", "bf16"}

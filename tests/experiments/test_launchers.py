@@ -57,7 +57,19 @@ def _sweep(tmp_path: Path, *args: str, timeout: float = 300) -> Path:
     sweep_dir = tmp_path / "sweep"
     proc = cli("-m", *args, f"hydra.sweep.dir={sweep_dir}", timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp_path / "stderr.txt").write_text(proc.stderr)
     return sweep_dir
+
+
+def _expect_progress(tmp_path: Path, records: dict[tuple[str, int], dict]) -> None:
+    """experiments/progress.py: one line per finished job, counted 1..N across the workers, naming it."""
+    lines = [ln for ln in (tmp_path / "stderr.txt").read_text().splitlines() if ln.startswith("[")
+             and "/" in ln.split("]")[0] and " ETA " in ln]
+    n = len(records)
+    assert sorted(int(ln[1:].split("/")[0]) for ln in lines) == list(range(1, n + 1))
+    assert all(ln.split("]")[0].endswith(f"/{n}") for ln in lines)
+    named = sorted((ln.split("]")[1].split()[2], int(ln.split(" seed ")[1].split(":")[0])) for ln in lines)
+    assert named == sorted((r["strategy"], r["seed"]) for r in records.values())
 
 
 def _expect_grid(sweep_dir: Path, strategies: list[str], seeds: list[int]) -> dict[tuple[str, int], dict]:
@@ -70,6 +82,7 @@ def test_basic_launcher_one_record_per_job(tmp_path: Path) -> None:
     sweep = _sweep(tmp_path, "strategy=glob(*)", "seed=0,1", *TINY["gpt"], *QUIET, *FEW_STEPS)
     assert _launcher_target(sweep).endswith("BasicLauncher")
     records = _expect_grid(sweep, group_options("strategy"), [0, 1])
+    _expect_progress(tmp_path, records)
     # the seed reaches the run: same strategy, different seeds, different losses
     assert records[("native", 0)]["final_train_loss"] != records[("native", 1)]["final_train_loss"]
 
@@ -80,6 +93,7 @@ def test_joblib_launcher_one_record_per_job(tmp_path: Path) -> None:
                    *QUIET, *FEW_STEPS)
     assert _launcher_target(sweep).endswith("JoblibLauncher")
     records = _expect_grid(sweep, group_options("strategy"), [0, 1])
+    _expect_progress(tmp_path, records)  # from two worker processes
     # compare's run-directory layout: <regime>/<precision>-<strategy>/seed<k>
     for strategy, seed in records:
         assert (sweep / "plain" / f"fp16-{strategy}" / f"seed{seed}" / "summary.json").exists()

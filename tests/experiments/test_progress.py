@@ -1,0 +1,57 @@
+"""experiments/progress.py: the job count a sweep announces is the basic sweeper's, and the kernel
+extension is built before any worker starts. (The per-job lines of real sweeps are checked in
+test_launchers.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.utils import create_config_search_path
+
+from experiments.progress import SweepProgress, count_jobs, job_line
+from experiments.train import CONF_DIR
+
+CASES = [
+    ({"precision": "fp16", "regime": "plain,tiny_grad,spikes", "seed": "0,1,2,3,4",
+      "strategy": "glob(*,exclude=[megatron,deepspeed*,fairseq,te_delayed,*_capped])"}, []),
+    ({"regime": "plain,tiny_grad", "seed": "0,1,2"}, ["seed=0", "strategy=glob(n*)"]),  # the command line replaces a key
+    ({}, ["strategy=native,max_ema", "seed=range(0,4)", "train.steps=5"]),
+    ({"precision": "fp32,bf16", "strategy": "none"}, ["+experiment=compare"]),
+]
+
+
+@pytest.mark.parametrize("params,task", CASES)
+def test_the_count_is_the_basic_sweepers(params: dict, task: list[str]) -> None:
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides([f"{k}={v}" for k, v in params.items()] + task)
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    assert count_jobs(params, task) == len(jobs) > 1
+
+
+def test_the_kernels_are_built_before_the_workers(tmp_path: Path, monkeypatch) -> None:
+    import strategies.kernels as kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "load", lambda: calls.append("load") or True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=compare", f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+    (tmp_path / ".progress").mkdir()
+    (tmp_path / ".progress" / "done").write_text("1\n1\n")  # a previous attempt's count
+    SweepProgress().on_multirun_start(cfg)
+    assert calls == ["load"]
+    start = json.loads((tmp_path / ".progress" / "start.json").read_text())
+    assert start["total"] == count_jobs(dict(cfg.hydra.sweeper.params), []) and start["total"] >= 5 * 12
+    assert not (tmp_path / ".progress" / "done").exists()
+
+
+def test_the_job_line_names_the_job_and_survives_a_missing_record() -> None:
+    line = job_line(3, 12, 30.0, {"precision": "fp16", "regime": "tiny_grad", "strategy": "max_ema", "seed": 4,
+                                  "status": "completed", "final_eval_loss": 2.41234, "skipped_steps": 2})
+    assert line == "[ 3/12] fp16 tiny_grad max_ema seed 4: completed, final eval loss 2.412, 2 skipped | 30s, ETA 1m30s"
+    assert job_line(1, 1, 0.0, {}).startswith("[1/1] ? ? ? seed ?: no record, final eval loss n/a")
