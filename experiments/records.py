@@ -165,6 +165,8 @@ def redact(obj: Any) -> Any:
 
 
 def _git(*args: str) -> str | None:
+    if not (_REPO_ROOT / ".git").exists():
+        return None  # an installed copy (site-packages): any repository around it is not this code's
     try:
         out = subprocess.run(
             ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True

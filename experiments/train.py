@@ -5,7 +5,8 @@
     python -m experiments.train logger=none train.steps=20    # same thing without the script
 
 Config tree: ``conf/config.yaml`` (groups ``model``, ``data``, ``precision``, ``strategy``,
-``regime``, ``logger``). Everything a run writes goes under ``${hydra:runtime.output_dir}``
+``regime``, ``logger``): ``$SCALELAB_CONF_DIR`` if set (e.g. an edited copy), else the copy an
+installed wheel ships as ``experiments/conf``, else ``<checkout>/conf``. Everything a run writes goes under ``${hydra:runtime.output_dir}``
 (``hydra.job.chdir=False``: the working directory is never changed). Re-running with the same
 ``hydra.run.dir=...`` resumes from that directory's checkpoint.
 
@@ -21,6 +22,7 @@ sweep the job fails with that one line.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +32,18 @@ from omegaconf import DictConfig
 
 __all__ = ["main", "check_overrides", "preflight", "CONF_DIR", "GROUPS"]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+def _conf_dir() -> Path:
+    """``SCALELAB_CONF_DIR``, else the copy an installed wheel ships (``experiments/conf``), else
+    ``<checkout>/conf``."""
+    env = os.environ.get("SCALELAB_CONF_DIR")
+    if env:
+        return Path(env).resolve()
+    here = Path(__file__).resolve().parent
+    return here / "conf" if (here / "conf").is_dir() else here.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
 GROUPS = ("model", "data", "precision", "strategy", "regime", "logger")
 
 

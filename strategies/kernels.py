@@ -19,8 +19,9 @@ Environment:
 * ``SCALELAB_EXT_DIR`` — build root (``cpu/`` and ``cuda/`` builds beneath it; default
   ``~/.cache/scalelab/ext/<torch>-<cpu|cuXY>-<isa>-<python>``). If the CUDA part fails to build,
   the CPU ops are built alone (with a warning).
-* ``SCALELAB_CUDA_SRC`` — the ``cuda/`` source folder, for installs where it is not beside
-  this package (an editable install finds it at ``<repo>/cuda``).
+* ``SCALELAB_CUDA_SRC`` — the ``cuda/`` source folder to build from (default: the copy a wheel
+  or ``pip install .`` ships as ``strategies/cuda``; in a checkout or editable install,
+  ``<repo>/cuda``). The build itself always goes to the build root above, never beside the sources.
 * ``SCALELAB_KERNELS_VERBOSE=1`` — show the compiler output.
 """
 
@@ -58,11 +59,13 @@ _X86_FLAGS = {
 
 
 def source_dir() -> Path:
-    """The ``cuda/`` source folder the extension is built from."""
+    """The ``cuda/`` source folder the extension is built from: ``SCALELAB_CUDA_SRC``, else the copy
+    an installed wheel ships in this package (``strategies/cuda``), else ``<checkout>/cuda``."""
     env = os.environ.get("SCALELAB_CUDA_SRC")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "cuda"
+    here = Path(__file__).resolve().parent
+    return here / "cuda" if (here / "cuda").is_dir() else here.parent / "cuda"
 
 
 def _isa() -> str:
