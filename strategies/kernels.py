@@ -104,11 +104,26 @@ def _sources(with_cuda: bool) -> list[str]:
     return [str(f) for f in files]
 
 
+def _ninja_on_path() -> None:
+    """torch builds with the ``ninja`` executable found on PATH; the ``ninja`` package (a
+    dependency) ships one in its own folder, which is not on PATH when a venv's script is run
+    without activating the venv."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = str(ninja.BIN_DIR) + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build(with_cuda: bool) -> None:
     from torch.utils import cpp_extension
 
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
+    _ninja_on_path()
     cflags = ["-O3", "-ffp-contract=off", "-fopenmp", *_X86_FLAGS.get(_isa(), [])]
     if with_cuda:
         cflags.append("-DSCALELAB_WITH_CUDA")

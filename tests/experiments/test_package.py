@@ -117,3 +117,16 @@ def test_env_overrides_come_first_and_a_checkout_uses_its_root_folders(monkeypat
     monkeypatch.setenv("SCALELAB_CONF_DIR", str(tmp_path))
     monkeypatch.setenv("SCALELAB_CUDA_SRC", str(tmp_path))
     assert train._conf_dir() == tmp_path.resolve() and kernels.source_dir() == tmp_path
+
+
+def test_the_ninja_dependency_is_found_without_an_activated_venv(monkeypatch) -> None:
+    """torch's extension build looks for `ninja` on PATH; a venv's script run by its path (not
+    activated) has the pip package's executable off PATH, so the build puts it there."""
+    import shutil
+
+    import strategies.kernels as kernels
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert shutil.which("ninja") is None
+    kernels._ninja_on_path()
+    assert shutil.which("ninja") is not None
