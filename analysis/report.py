@@ -8,7 +8,8 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   verdict first, then tables with intervals, run statuses, figures and method notes;
 * ``results.csv`` — one row per workload × precision × strategy (counts by status, every
   metric's mean/IQM with 95 % intervals, rank); ``comparisons.csv`` (each strategy vs native,
-  per metric) and ``runs.csv`` (one row per run, failed/diverged/incomplete included);
+  per metric, and vs the fp32 run of the same seed on final eval loss) and ``runs.csv`` (one row
+  per run, failed/diverged/incomplete included, with ``steps_to_target``);
 * ``figures/*.png``.
 
 Prints the path of ``report.html``. Exit code 2 with a one-line error when a directory is
@@ -47,8 +48,8 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
     merged = merged.sort_values(["workload", "precision", "rank", f"{PRIMARY}_mean", "strategy"],
                                 na_position="last")
     cols = ["workload", "precision", "rank", "strategy", "runs ok/div/fail/inc",
-            "final eval loss mean [95% CI]", "IQM [95% CI]", "skipped steps", "strategy overhead",
-            "act-grad zero frac"]
+            "final eval loss mean [95% CI]", "IQM [95% CI]", "time to target (steps)",
+            "skipped steps", "strategy overhead", "act-grad zero frac"]
     rows = []
     for _, r in merged.iterrows():
         c = PRIMARY
@@ -59,6 +60,7 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
             f"{r['n_completed']}/{r['n_diverged']}/{r['n_failed']}/{r['n_incomplete']}",
             fmt_ci(r[f"{c}_mean"], r[f"{c}_mean_lo"], r[f"{c}_mean_hi"]),
             fmt_ci(r[f"{c}_iqm"], r[f"{c}_iqm_lo"], r[f"{c}_iqm_hi"]),
+            _reached(r),
             fmt_ci(r["skipped_steps_mean"], r["skipped_steps_mean_lo"], r["skipped_steps_mean_hi"]),
             fmt_ci(r["strategy_overhead_frac_mean"], r["strategy_overhead_frac_mean_lo"],
                    r["strategy_overhead_frac_mean_hi"], pct_=True),
@@ -66,6 +68,15 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
                    r["act_zero_frac_mean_mean_hi"], pct_=True),
         ])
     return cols, rows
+
+
+def _reached(r: pd.Series) -> str:
+    """Mean time to target [95% CI] over the completed runs that reached it, and how many."""
+    c = "steps_to_target"
+    if f"{c}_n" not in r or not r["n_completed"]:
+        return "–"
+    return (f"{fmt_ci(r[f'{c}_mean'], r[f'{c}_mean_lo'], r[f'{c}_mean_hi'])}; reached in "
+            f"{int(r[f'{c}_n'])} of {int(r['n_completed'])}")
 
 
 PAIRED_CAPTION = (
@@ -184,8 +195,9 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     if not ref.empty:
         doc.h(1, "Each strategy against the fp32 run of the same seed")
         cols, rows = _comparison_rows(ref)
-        doc.table(cols, rows, caption=PAIRED_CAPTION.format(
-            b="the fp32 reference (strategy `none` at fp32, same workload and seed)"))
+        doc.table(cols, rows, caption="The loss gap to fp32: Δ = final eval loss − that of the "
+                  "fp32 run of the same workload and seed. " + PAIRED_CAPTION.format(
+                      b="the fp32 reference (strategy `none` at fp32, same workload and seed)"))
 
     if bench_df is not None:
         doc.h(1, "Strategy overhead by model size (scalelab-bench)")

@@ -75,7 +75,7 @@ def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
         loss = final + (2.3 - final) * math.exp(-step / 10) + float(rng.normal(0, 0.01))
         scale = scales[i] if precision != "fp32" else 1.0
         line = {
-            "kind": "train", "step": step, "loss": loss, "scale": scale,
+            "kind": "train", "step": step, "loss": loss, "loss_avg": loss, "scale": scale,
             "skipped": skipped[i], "skipped_total": total_skipped,
             "grad_absmax": 0.5, "grad_norm": 1.0 + 0.01 * step,
             "grad_zero_frac": underflow / 2, "grad_subnormal_frac": 0.01,
