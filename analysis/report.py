@@ -8,8 +8,10 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   verdict first, then tables with intervals, run statuses, figures and method notes;
 * ``results.csv`` — one row per workload × precision × strategy (counts by status, every
   metric's mean/IQM with 95 % intervals, rank); ``comparisons.csv`` (each strategy vs native,
-  per metric, and vs the fp32 run of the same seed on final eval loss) and ``runs.csv`` (one row
-  per run, failed/diverged/incomplete included, with ``steps_to_target``);
+  per metric, and vs the fp32 run of the same seed on final eval loss), ``runs.csv`` (one row
+  per run, failed/diverged/incomplete included, with ``steps_to_target``) and
+  ``which_strategy_when.csv`` (per regime × precision: the best strategy, its paired effects
+  and why; :mod:`analysis.when`), also the first table of the verdict;
 * ``figures/*.png``.
 
 Prints the path of ``report.html``. Exit code 2 with a one-line error when a directory is
@@ -38,6 +40,7 @@ from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
                              summarize)
 from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct
 from analysis.verdict import cell_verdict, overall_verdict, phrase
+from analysis.when import order_text, table_rows, which_strategy_when
 
 METRIC_BY_COL = {m.column: m for m in METRICS}
 
@@ -157,10 +160,12 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     comps = pd.concat([compare_to_baseline(rs.runs, n_boot=n_boot),
                        compare_to_reference(rs.runs, n_boot=n_boot)], ignore_index=True)
     ranks = rank_strategies(summary)
+    when = which_strategy_when(rs.runs, comps)
     bench_df, bench_note = load_bench(bench)
 
     results_table(summary, ranks).to_csv(out / "results.csv", index=False)
     comps.to_csv(out / "comparisons.csv", index=False)
+    when.to_csv(out / "which_strategy_when.csv", index=False)
     rs.runs.to_csv(out / "runs.csv", index=False)
 
     doc = Document("scalelab comparison report")
@@ -171,6 +176,17 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
           + f". Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.")
 
     doc.h(1, "Verdict")
+    if not when.empty:
+        cols, rows = table_rows(when)
+        doc.table(cols, rows, caption=(
+            "Which strategy when (which_strategy_when.csv). The verdict reads the metrics in "
+            f"this order: {order_text()}. Best = the strategy read *clearly better* than "
+            f"`{BASELINE}` (paired by seed) on the earliest of them for which any strategy is, "
+            "the largest mean paired gain among several; one read *clearly worse* on an earlier "
+            "metric is not counted. No best where none is clearly better: the row then says "
+            "what the paired readings say. Δ = strategy − baseline per seed, mean [95% CI]; "
+            "against fp32 it is the final-eval-loss gap to the fp32 run of the same seed. "
+            "Cells without `native` (controls) are compared with fp32 only."))
     doc.p(overall_verdict(summary, ranks, comps))
     cells = (ranks[ranks["precision"] != REFERENCE_PRECISION][["workload", "precision"]]
              .dropna().drop_duplicates().sort_values(["workload", "precision"]))
@@ -264,6 +280,9 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
         "excludes 0. Unpaired Welch, Mann–Whitney and P(improvement) are in comparisons.csv.",
         "Ranking: by fraction of diverged runs, then mean final eval loss; tied while the 95% "
         "intervals overlap the tier leader's.",
+        f"Which strategy when: the metrics are read in this order — {order_text()}; the best "
+        f"strategy is the one read clearly better than `{BASELINE}` on the earliest metric "
+        "where any is (analysis/when.py).",
         "Metrics: " + "; ".join(f"**{m.label}** — {m.description}" for m in METRICS) + ".",
     ])
 

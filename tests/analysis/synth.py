@@ -50,15 +50,19 @@ class SweepSpec:
     #: around ``true_lost[strategy]`` (fp32 runs: 0) and 1 − cosine around a tenth of it.
     fidelity_every: int = 0
     true_lost: dict[str, float] = field(default_factory=lambda: dict(TRUE_LOST))
+    #: Strategies that skip (back off at) the first two logged steps.
+    skipping: tuple[str, ...] = ("native",)
 
 
-def _scale_path(strategy: str, steps: int, log_every: int, rng: np.random.Generator
+def _scale_path(strategy: str, spec: SweepSpec, rng: np.random.Generator
                 ) -> tuple[list[float], list[bool]]:
-    """(scale after update, skipped) at each logged step: native backs off twice early."""
+    """(scale after update, skipped) at each logged step: native (``spec.skipping``) backs off
+    twice early."""
     scales, skipped = [], []
     s = 65536.0 if strategy in ("native", "layerwise") else 1.0
-    for step in range(log_every, steps + 1, log_every):
-        skip = strategy == "native" and step in (log_every, 2 * log_every)
+    log_every = spec.log_every
+    for step in range(log_every, spec.steps + 1, log_every):
+        skip = strategy in spec.skipping and step in (log_every, 2 * log_every)
         if strategy == "native":
             s = s / 2 if skip else s
         elif strategy == "max_ema":
@@ -71,7 +75,7 @@ def _scale_path(strategy: str, steps: int, log_every: int, rng: np.random.Genera
 def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
                rng: np.random.Generator, stop_at: int | None = None) -> list[dict]:
     lines: list[dict] = []
-    scales, skipped = _scale_path(strategy, spec.steps, spec.log_every, rng)
+    scales, skipped = _scale_path(strategy, spec, rng)
     total_skipped = 0
     underflow = {"none": 0.30, "native": 0.08, "layerwise": 0.05, "max_ema": 0.06}.get(strategy, 0.1)
     if precision == "fp32":
