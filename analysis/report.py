@@ -8,7 +8,10 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   verdict first, then tables with intervals, run statuses, figures and method notes;
 * ``results.csv`` — one row per workload × precision × strategy (counts by status, every
   metric's mean/IQM with 95 % intervals, rank); ``comparisons.csv`` (each strategy vs native,
-  per metric) and ``runs.csv`` (one row per run, failed/diverged/incomplete included);
+  per metric, and vs the fp32 run of the same seed on final eval loss), ``runs.csv`` (one row
+  per run, failed/diverged/incomplete included, with ``steps_to_target``) and
+  ``which_strategy_when.csv`` (per regime × precision: the best strategy, its paired effects
+  and why; :mod:`analysis.when`), also the first table of the verdict;
 * ``figures/*.png``.
 
 Prints the path of ``report.html``. Exit code 2 with a one-line error when a directory is
@@ -37,6 +40,7 @@ from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
                              summarize)
 from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct
 from analysis.verdict import cell_verdict, overall_verdict, phrase
+from analysis.when import order_text, table_rows, which_strategy_when
 
 METRIC_BY_COL = {m.column: m for m in METRICS}
 
@@ -47,8 +51,8 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
     merged = merged.sort_values(["workload", "precision", "rank", f"{PRIMARY}_mean", "strategy"],
                                 na_position="last")
     cols = ["workload", "precision", "rank", "strategy", "runs ok/div/fail/inc",
-            "final eval loss mean [95% CI]", "IQM [95% CI]", "skipped steps", "strategy overhead",
-            "act-grad zero frac"]
+            "final eval loss mean [95% CI]", "IQM [95% CI]", "time to target (steps)",
+            "skipped steps", "strategy overhead", "act-grad zero frac"]
     rows = []
     for _, r in merged.iterrows():
         c = PRIMARY
@@ -59,6 +63,7 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
             f"{r['n_completed']}/{r['n_diverged']}/{r['n_failed']}/{r['n_incomplete']}",
             fmt_ci(r[f"{c}_mean"], r[f"{c}_mean_lo"], r[f"{c}_mean_hi"]),
             fmt_ci(r[f"{c}_iqm"], r[f"{c}_iqm_lo"], r[f"{c}_iqm_hi"]),
+            _reached(r),
             fmt_ci(r["skipped_steps_mean"], r["skipped_steps_mean_lo"], r["skipped_steps_mean_hi"]),
             fmt_ci(r["strategy_overhead_frac_mean"], r["strategy_overhead_frac_mean_lo"],
                    r["strategy_overhead_frac_mean_hi"], pct_=True),
@@ -66,6 +71,15 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
                    r["act_zero_frac_mean_mean_hi"], pct_=True),
         ])
     return cols, rows
+
+
+def _reached(r: pd.Series) -> str:
+    """Mean time to target [95% CI] over the completed runs that reached it, and how many."""
+    c = "steps_to_target"
+    if f"{c}_n" not in r or not r["n_completed"]:
+        return "–"
+    return (f"{fmt_ci(r[f'{c}_mean'], r[f'{c}_mean_lo'], r[f'{c}_mean_hi'])}; reached in "
+            f"{int(r[f'{c}_n'])} of {int(r['n_completed'])}")
 
 
 PAIRED_CAPTION = (
@@ -146,10 +160,12 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     comps = pd.concat([compare_to_baseline(rs.runs, n_boot=n_boot),
                        compare_to_reference(rs.runs, n_boot=n_boot)], ignore_index=True)
     ranks = rank_strategies(summary)
+    when = which_strategy_when(rs.runs, comps)
     bench_df, bench_note = load_bench(bench)
 
     results_table(summary, ranks).to_csv(out / "results.csv", index=False)
     comps.to_csv(out / "comparisons.csv", index=False)
+    when.to_csv(out / "which_strategy_when.csv", index=False)
     rs.runs.to_csv(out / "runs.csv", index=False)
 
     doc = Document("scalelab comparison report")
@@ -160,6 +176,17 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
           + f". Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}.")
 
     doc.h(1, "Verdict")
+    if not when.empty:
+        cols, rows = table_rows(when)
+        doc.table(cols, rows, caption=(
+            "Which strategy when (which_strategy_when.csv). The verdict reads the metrics in "
+            f"this order: {order_text()}. Best = the strategy read *clearly better* than "
+            f"`{BASELINE}` (paired by seed) on the earliest of them for which any strategy is, "
+            "the largest mean paired gain among several; one read *clearly worse* on an earlier "
+            "metric is not counted. No best where none is clearly better: the row then says "
+            "what the paired readings say. Δ = strategy − baseline per seed, mean [95% CI]; "
+            "against fp32 it is the final-eval-loss gap to the fp32 run of the same seed. "
+            "Cells without `native` (controls) are compared with fp32 only."))
     doc.p(overall_verdict(summary, ranks, comps))
     cells = (ranks[ranks["precision"] != REFERENCE_PRECISION][["workload", "precision"]]
              .dropna().drop_duplicates().sort_values(["workload", "precision"]))
@@ -184,8 +211,9 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     if not ref.empty:
         doc.h(1, "Each strategy against the fp32 run of the same seed")
         cols, rows = _comparison_rows(ref)
-        doc.table(cols, rows, caption=PAIRED_CAPTION.format(
-            b="the fp32 reference (strategy `none` at fp32, same workload and seed)"))
+        doc.table(cols, rows, caption="The loss gap to fp32: Δ = final eval loss − that of the "
+                  "fp32 run of the same workload and seed. " + PAIRED_CAPTION.format(
+                      b="the fp32 reference (strategy `none` at fp32, same workload and seed)"))
 
     if bench_df is not None:
         doc.h(1, "Strategy overhead by model size (scalelab-bench)")
@@ -252,6 +280,9 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
         "excludes 0. Unpaired Welch, Mann–Whitney and P(improvement) are in comparisons.csv.",
         "Ranking: by fraction of diverged runs, then mean final eval loss; tied while the 95% "
         "intervals overlap the tier leader's.",
+        f"Which strategy when: the metrics are read in this order — {order_text()}; the best "
+        f"strategy is the one read clearly better than `{BASELINE}` on the earliest metric "
+        "where any is (analysis/when.py).",
         "Metrics: " + "; ".join(f"**{m.label}** — {m.description}" for m in METRICS) + ".",
     ])
 

@@ -6,8 +6,9 @@ is counted as an *issue* of its run, so nothing downstream ever sees a type it d
 
 Tables of a :class:`RunSet` (one row per …):
 
-* ``runs``         run: the summary fields, per-run aggregates of the step telemetry, ``status``
-  and ``issues`` (a one-line description of what was wrong with its records, or ``None``);
+* ``runs``         run: the summary fields, per-run aggregates of the step telemetry, ``status``,
+  ``issues`` (a one-line description of what was wrong with its records, or ``None``) and
+  ``steps_to_target`` (:mod:`analysis.targets`);
 * ``train``        logged training step (scalar keys only);
 * ``evals``        evaluation;
 * ``fidelity``     gradient-fidelity probe (cosine, rel_err, lost_frac against fp32);
@@ -33,6 +34,9 @@ import pandas as pd
 from experiments.schema import (EVAL_FIELDS, FIDELITY_FIELDS, KIND_EVAL, KIND_FIDELITY,
                                 KIND_TRAIN, SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, Field,
                                 coerce)
+
+from analysis.targets import COLUMN as TARGET_COLUMN
+from analysis.targets import steps_to_target
 
 #: Statuses every report table shows (others a writer used are appended after them).
 STATUSES = ("completed", "diverged", "failed", "incomplete")
@@ -270,6 +274,8 @@ class Builder:
                  "layers": ["step", "layer_order"], "group_scales": ["step", "group_order"],
                  "exp_hist": ["step", "exponent"]}
         tables = {name: _frame(self.rows[name], ["run_id", *keys]) for name, keys in order.items()}
+        if not runs.empty:
+            runs[TARGET_COLUMN] = steps_to_target(runs, tables["train"])
         return RunSet(runs=runs, problems=list(self.problems), sources=list(sources), **tables)
 
 

@@ -7,11 +7,14 @@ with another strategy on the same workload at the same precision). Runs whose id
 unknown (no strategy, precision or workload) form groups of their own (shown as ``?``) and are
 never compared with ``native``; the report lists them.
 
-For the primary metric (final eval loss), a **diverged** run has no meaningful final loss: it is
-left out of means, IQMs, their intervals and Welch's test, but enters the rank-based statistics
-(Mann–Whitney, probability of improvement) as ``+inf`` — a diverged run loses to every run that
-finished. Runs of any other status (failed, incomplete, stalled, …) enter no statistic.
-The paired (by seed) comparisons are in :mod:`analysis.paired`.
+For the final eval loss and the time to target (:attr:`Metric.diverged_loses`), a **diverged**
+run has no meaningful value: it is left out of means, IQMs, their intervals and Welch's test, but
+enters the rank-based statistics (Mann–Whitney, probability of improvement) and the pairing by
+seed as ``+inf`` — a diverged run loses to every run that finished. The time to target of a run
+that never reached the target is ``+inf`` too (:attr:`Metric.inf_loses`): left out of means, it
+loses its seed the same way (:mod:`analysis.targets`). Runs of any other status (failed,
+incomplete, stalled, …) enter no statistic. The paired (by seed) comparisons are in
+:mod:`analysis.paired`.
 """
 
 from __future__ import annotations
@@ -35,17 +38,28 @@ REFERENCE_PRECISION = "fp32"
 
 @dataclass(frozen=True)
 class Metric:
-    """A per-run metric compared across strategies; lower is better for all of them."""
+    """A per-run metric compared across strategies; lower is better for all of them.
+
+    ``diverged_loses``: a diverged run counts as ``+inf`` in the rank statistics and the
+    pairing; ``inf_loses``: a completed run's ``+inf`` value (never reached) counts the same way.
+    Both are left out of means either way."""
 
     column: str
     label: str
     description: str
+    diverged_loses: bool = False
+    inf_loses: bool = False
 
 
 #: The metrics the report compares, primary first.
 METRICS: tuple[Metric, ...] = (
     Metric("final_eval_loss", "final eval loss",
-           "validation loss at the end of training (primary metric)"),
+           "validation loss at the end of training (primary metric)", diverged_loses=True),
+    Metric("steps_to_target", "time to target",
+           "first logged step whose training loss (loss_avg) is at or below the target: the fp32 "
+           "run's (same workload and seed) at its first logged step ≥ half its steps; never "
+           "reached = inf (loses its seed, left out of means)", diverged_loses=True,
+           inf_loses=True),
     Metric("skipped_steps", "skipped steps",
            "optimizer steps skipped because of non-finite gradients"),
     Metric("strategy_overhead_frac", "strategy overhead",
@@ -61,6 +75,11 @@ METRICS: tuple[Metric, ...] = (
            "over the fidelity probes"),
 )
 PRIMARY = METRICS[0].column
+METRIC_BY_COLUMN = {m.column: m for m in METRICS}
+
+
+def _metric(column: str) -> Metric:
+    return METRIC_BY_COLUMN.get(column, Metric(column, column, column))
 
 
 def identified(runs: pd.DataFrame) -> pd.DataFrame:
@@ -73,17 +92,20 @@ def identified(runs: pd.DataFrame) -> pd.DataFrame:
 def metric_values(group: pd.DataFrame, column: str, *, for_ranks: bool = False) -> np.ndarray:
     """Per-run values of ``column`` that enter the statistics (see the module docstring).
 
-    Finite values of completed runs; with ``for_ranks`` and the primary metric, diverged runs
-    are appended as ``+inf``.
+    Finite values of completed runs; with ``for_ranks``, ``+inf`` for each diverged run of a
+    :attr:`Metric.diverged_loses` metric and each completed run's ``+inf`` of an
+    :attr:`Metric.inf_loses` one.
     """
     if column not in group:
         return np.array([], dtype=float)
+    m = _metric(column)
     done = group[group["status"] == "completed"]
     vals = pd.to_numeric(done[column], errors="coerce").to_numpy(dtype=float)
+    n_inf = int(np.sum(vals == np.inf)) if m.inf_loses else 0
     vals = vals[np.isfinite(vals)]
-    if for_ranks and column == PRIMARY:
-        n_div = int((group["status"] == "diverged").sum())
-        vals = np.concatenate([vals, np.full(n_div, np.inf)])
+    if for_ranks:
+        n_inf += int((group["status"] == "diverged").sum()) if m.diverged_loses else 0
+        vals = np.concatenate([vals, np.full(n_inf, np.inf)])
     return vals
 
 
@@ -164,12 +186,14 @@ def compare_to_reference(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS
 
 
 def _by_seed(group: pd.DataFrame, column: str) -> pd.Series:
-    """One value per seed for pairing: completed runs' finite values, ``+inf`` for a diverged
-    run on the primary metric, the mean where a seed ran more than once."""
+    """One value per seed for pairing: completed runs' finite values, ``+inf`` where the
+    metric says a run loses (:class:`Metric`), the mean where a seed ran more than once."""
+    m = _metric(column)
     vals = pd.to_numeric(group[column], errors="coerce") if column in group else \
         pd.Series(np.nan, index=group.index)
-    done = (group["status"] == "completed") & np.isfinite(vals)
-    vals = vals.where(done, np.inf if column == PRIMARY else np.nan)
+    completed = group["status"] == "completed"
+    done = completed & (np.isfinite(vals) | ((vals == np.inf) & m.inf_loses))
+    vals = vals.where(done, np.inf if m.diverged_loses else np.nan)
     vals = vals.where(done | (group["status"] == "diverged"), np.nan)
     with np.errstate(all="ignore"):
         return vals.groupby(group["seed"]).mean().dropna()

@@ -9,7 +9,8 @@ them as PNG and embeds them in the HTML.
 * :mod:`analysis.figures.curves`    — loss curves, scale trajectories, skipped steps;
 * :mod:`analysis.figures.underflow` — per-layer underflow heat map, gradient-exponent histogram;
 * :mod:`analysis.figures.final`     — final-metric intervals, overhead against model size;
-* :mod:`analysis.figures.paired`    — per-seed differences against ``native``.
+* :mod:`analysis.figures.paired`    — per-seed differences against ``native``;
+* :mod:`analysis.figures.fidelity`  — gradient fidelity (lost entries, 1 − cosine) over steps.
 
 Build and save figures inside :func:`figure_rc` (:func:`all_figures` and :func:`save` do).
 """
@@ -25,16 +26,17 @@ from analysis.figures.common import (FORMAT_RANGES, MAX_PER_KIND, REFERENCE_PREC
                                      figure_png, figure_rc)
 from analysis.figures.curves import (loss_curve_figures, scale_trajectory_figures,
                                      skipped_figures)
+from analysis.figures.fidelity import fidelity_curve_figures
 from analysis.figures.final import interval_figures, overhead_figures
 from analysis.figures.paired import paired_difference_figures
 from analysis.figures.underflow import exponent_histogram_figures, underflow_heatmap_figures
 from analysis.runset import RunSet
 
 __all__ = ["FORMAT_RANGES", "MAX_PER_KIND", "REFERENCE_PRECISION", "Figure", "all_figures",
-           "close_all", "exponent_histogram_figures", "figure_png", "figure_rc",
-           "format_range_note", "interval_figures", "loss_curve_figures", "overhead_figures",
-           "paired_difference_figures",
-           "save", "scale_trajectory_figures", "skipped_figures", "underflow_heatmap_figures"]
+           "close_all", "exponent_histogram_figures", "fidelity_curve_figures", "figure_png",
+           "figure_rc", "format_range_note", "interval_figures", "loss_curve_figures",
+           "overhead_figures", "paired_difference_figures", "save", "scale_trajectory_figures",
+           "skipped_figures", "underflow_heatmap_figures"]
 
 
 def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = None,
@@ -48,6 +50,7 @@ def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = 
         ("loss curves", lambda: loss_curve_figures(rs)),
         ("final-metric intervals", lambda: interval_figures(summary)),
         ("paired differences", lambda: paired_difference_figures(rs.runs)),
+        ("gradient fidelity over steps", lambda: fidelity_curve_figures(rs)),
         ("scale trajectories", lambda: scale_trajectory_figures(rs)),
         ("skipped steps", lambda: skipped_figures(rs)),
         ("underflow heat maps", lambda: underflow_heatmap_figures(rs)),

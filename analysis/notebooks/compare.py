@@ -18,8 +18,9 @@
 #
 # Interactive companion of `scalelab-report`: loads one sweep (local run directories, or a W&B
 # group), then shows the run statuses, the per-strategy interval estimates, each strategy
-# against `native`, the tiered ranking and the figures. Every number comes from
-# `analysis.load` / `analysis.tables` / `analysis.figures`, the same code as the report.
+# against `native`, the tiered ranking, which strategy when, and the figures. Every number
+# comes from `analysis.load` / `analysis.tables` / `analysis.when` / `analysis.figures`, the
+# same code as the report.
 #
 # **Choose the runs** in the next cell, or without editing anything through environment
 # variables: `SCALELAB_RUN_DIR` (one or more sweep directories separated by `:`) or
@@ -49,6 +50,7 @@ from analysis import figures as F
 from analysis.load import load_runs, load_wandb
 from analysis.tables import (PRIMARY, compare_to_baseline, compare_to_reference,
                              rank_strategies, summarize)
+from analysis.when import order_text, which_strategy_when
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 30)
@@ -103,10 +105,21 @@ if not comps.empty:
                                                "wilcoxon_p", "reading"]])
 
 # %% [markdown]
+# ## Which strategy when
+# Per regime × precision: the best strategy (clearly better than `native` on the earliest metric
+# of the verdict's order for which any strategy is), its paired effect against `native` and its
+# final-eval-loss gap to the fp32 run of the same seed, and why. Cells without `native` (bf16
+# controls) are compared with fp32 only; `steps_to_target` is in `rs.runs`.
+
+# %%
+print("metric order:", order_text())
+display(which_strategy_when(rs.runs, comps))
+
+# %% [markdown]
 # ## Figures
-# Loss curves against the fp32 reference, final-metric intervals, scale trajectories, skipped
-# steps, the per-layer underflow heat map and the gradient-exponent histogram against the
-# format's range.
+# Loss curves against the fp32 reference, final-metric intervals, paired differences, gradient
+# fidelity over steps (when probes were logged), scale trajectories, skipped steps, the
+# per-layer underflow heat map and the gradient-exponent histogram against the format's range.
 
 # %%
 figs = F.all_figures(rs, summary)

@@ -24,6 +24,9 @@ WORKLOAD = f"{MODEL}/{DATA}/{REGIME}"
 #: < native < none, separated by many standard deviations (sd 0.01).
 TRUE_LOSS = {"max_ema": 0.50, "layerwise": 0.60, "native": 0.70, "none": 0.90}
 
+#: Default true mean lost gradient fraction per strategy (fidelity lines, when written).
+TRUE_LOST = {"max_ema": 1e-4, "layerwise": 1e-3, "native": 0.02, "none": 0.9}
+
 
 @dataclass
 class SweepSpec:
@@ -43,15 +46,23 @@ class SweepSpec:
     #: Exact final eval losses per (strategy, precision), one per seed, instead of draws (for
     #: paired designs: seed effects shared across strategies).
     finals: dict[tuple[str, str], list[float]] | None = None
+    #: Write a kind-"fidelity" line every this many steps (0: none) with lost fraction drawn
+    #: around ``true_lost[strategy]`` (fp32 runs: 0) and 1 − cosine around a tenth of it.
+    fidelity_every: int = 0
+    true_lost: dict[str, float] = field(default_factory=lambda: dict(TRUE_LOST))
+    #: Strategies that skip (back off at) the first two logged steps.
+    skipping: tuple[str, ...] = ("native",)
 
 
-def _scale_path(strategy: str, steps: int, log_every: int, rng: np.random.Generator
+def _scale_path(strategy: str, spec: SweepSpec, rng: np.random.Generator
                 ) -> tuple[list[float], list[bool]]:
-    """(scale after update, skipped) at each logged step: native backs off twice early."""
+    """(scale after update, skipped) at each logged step: native (``spec.skipping``) backs off
+    twice early."""
     scales, skipped = [], []
     s = 65536.0 if strategy in ("native", "layerwise") else 1.0
-    for step in range(log_every, steps + 1, log_every):
-        skip = strategy == "native" and step in (log_every, 2 * log_every)
+    log_every = spec.log_every
+    for step in range(log_every, spec.steps + 1, log_every):
+        skip = strategy in spec.skipping and step in (log_every, 2 * log_every)
         if strategy == "native":
             s = s / 2 if skip else s
         elif strategy == "max_ema":
@@ -64,7 +75,7 @@ def _scale_path(strategy: str, steps: int, log_every: int, rng: np.random.Genera
 def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
                rng: np.random.Generator, stop_at: int | None = None) -> list[dict]:
     lines: list[dict] = []
-    scales, skipped = _scale_path(strategy, spec.steps, spec.log_every, rng)
+    scales, skipped = _scale_path(strategy, spec, rng)
     total_skipped = 0
     underflow = {"none": 0.30, "native": 0.08, "layerwise": 0.05, "max_ema": 0.06}.get(strategy, 0.1)
     if precision == "fp32":
@@ -75,7 +86,7 @@ def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
         loss = final + (2.3 - final) * math.exp(-step / 10) + float(rng.normal(0, 0.01))
         scale = scales[i] if precision != "fp32" else 1.0
         line = {
-            "kind": "train", "step": step, "loss": loss, "scale": scale,
+            "kind": "train", "step": step, "loss": loss, "loss_avg": loss, "scale": scale,
             "skipped": skipped[i], "skipped_total": total_skipped,
             "grad_absmax": 0.5, "grad_norm": 1.0 + 0.01 * step,
             "grad_zero_frac": underflow / 2, "grad_subnormal_frac": 0.01,
@@ -98,6 +109,8 @@ def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
                 counts[expo < -24] = 0
             line["act_exp_hist"] = {"lo": lo, "counts": counts.tolist(), "zeros": zeros}
         lines.append(line)
+        if spec.fidelity_every and step % spec.fidelity_every == 0:
+            lines.append(_fidelity_line(strategy, precision, step, spec, rng))
         if step % spec.eval_every == 0 or step == spec.steps:
             lines.append({"kind": "eval", "step": step,
                           "eval_loss": final + (2.3 - final) * math.exp(-step / 10),
@@ -105,6 +118,17 @@ def _run_lines(strategy: str, precision: str, final: float, spec: SweepSpec,
     if lines and lines[-1]["kind"] == "eval":
         lines[-1]["eval_loss"] = final
     return lines
+
+
+def _fidelity_line(strategy: str, precision: str, step: int, spec: SweepSpec,
+                   rng: np.random.Generator) -> dict:
+    lost = 0.0 if precision == "fp32" else spec.true_lost.get(strategy, 0.01)
+    lost = float(np.clip(lost * np.exp(rng.normal(0, 0.1)), 0.0, 1.0))
+    cos = 1.0 - lost / 10
+    return {"kind": "fidelity", "step": step, "cosine": cos, "rel_err": lost / 5,
+            "lost_frac": lost, "layer_cosine": {name: cos for name in LAYERS},
+            "layer_rel_err": {name: lost / 5 for name in LAYERS},
+            "layer_lost_frac": {name: lost for name in LAYERS}, "probe_time_s": 0.002}
 
 
 def _summary(strategy: str, precision: str, seed: int, final: float | None, status: str,
@@ -173,6 +197,12 @@ def write_sweep(root: str | Path, spec: SweepSpec | None = None) -> dict[str, ob
             skipped = sum(1 for ln in lines if ln.get("skipped"))
             summary = _summary(strategy, precision, seed, final, "completed", spec, skipped,
                                spec.steps, overhead_frac=OVERHEAD.get(strategy, 0.05))
+            probes = [ln for ln in lines if ln["kind"] == "fidelity"]
+            if probes:
+                summary["fidelity_lost_frac_mean"] = float(np.mean([p["lost_frac"]
+                                                                    for p in probes]))
+                summary["fidelity_one_minus_cos_mean"] = float(np.mean([1 - p["cosine"]
+                                                                        for p in probes]))
             _write_job(root, job, [f"strategy={strategy}", f"precision={precision}",
                                    f"seed={seed}"], summary, lines)
             job += 1

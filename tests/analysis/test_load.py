@@ -221,14 +221,18 @@ def test_fidelity_lines_load_and_unknown_kinds_are_reported(tmp_path: Path):
 
 
 def test_analysis_keys_come_from_the_schema():
-    """Every per-run metric the report compares is a summary field of experiments.schema, or a
-    per-run aggregate of a train-line field the loader computes."""
+    """Every per-run metric the report compares is a summary field of experiments.schema, a
+    per-run aggregate of a train-line field the loader computes, or the time to target (from
+    the schema's train-line ``loss_avg``/``loss``, :mod:`analysis.targets`)."""
     from experiments.schema import SUMMARY_FIELDS, TRAIN_FIELDS
 
     from analysis.runset import SUMMARY_COLUMNS, TRAIN_SCALARS
     from analysis.tables import METRICS
+    from analysis.targets import COLUMN
 
     assert set(SUMMARY_COLUMNS) == set(SUMMARY_FIELDS) - {"fingerprint"}
     assert set(TRAIN_SCALARS) <= set(TRAIN_FIELDS)
+    assert {"loss", "loss_avg"} <= set(TRAIN_SCALARS)
     for m in METRICS:
-        assert m.column in SUMMARY_FIELDS or m.column.removesuffix("_mean") in TRAIN_FIELDS, m
+        assert (m.column in SUMMARY_FIELDS or m.column.removesuffix("_mean") in TRAIN_FIELDS
+                or m.column == COLUMN), m

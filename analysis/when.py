@@ -1,0 +1,218 @@
+"""Which strategy when: one row per regime (workload) × precision, the best strategy there, its
+paired effect against ``native`` and against the fp32 run of the same seed, and a one-line
+reason made from the numbers (issue 12, item 5).
+
+**The order in which the metrics are read** (:data:`ORDER`): final eval loss, then time to
+target, then lost gradient entries, then 1 − cosine to fp32, then skipped steps, then strategy
+overhead. (The activation-gradient zero fraction is not read: it counts structural zeros such as
+ReLU's too; lost gradient entries measure the underflow against fp32 directly.)
+
+**Best** = among the strategies whose paired reading against ``native``
+(:func:`analysis.paired.reading`, in ``comparisons.csv``) is *clearly better* on the earliest
+metric in that order for which any strategy has one, the one with the lowest mean paired
+difference. The order is lexicographic: a strategy read *clearly worse* than ``native`` on an
+earlier metric is not called best on a later one. When no strategy is clearly better on any
+metric, none is called best and the row says what the paired readings say:
+
+* *better in these seeds, but too few seeds* — some strategy reads so on some metric (the
+  earliest such metric is named, with that strategy's effect);
+* *no detectable difference* — no strategy reads better on any metric and at least one reading
+  is "no detectable difference" (the others worse);
+* ``native`` is named best when every comparable reading of every other strategy is worse;
+* *not comparable* — fewer than 2 paired seeds everywhere.
+
+A cell without ``native`` (e.g. a bf16 control with only ``none``) is compared with the fp32
+run of the same seed only: the row shows the strategy with the smallest paired loss gap. Cells
+at fp32 have no row. Readings are written in :mod:`analysis.paired`'s exact words.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                             NOT_COMPARABLE, WORSE_FEW)
+from analysis.tables import (BASELINE, METRIC_BY_COLUMN, PRIMARY, REFERENCE_PRECISION,
+                             identified)
+from analysis.text import code, fmt_ci
+
+#: The metrics the verdict reads, in this order.
+ORDER = ("final_eval_loss", "steps_to_target", "fidelity_lost_frac_mean",
+         "fidelity_one_minus_cos_mean", "skipped_steps", "strategy_overhead_frac")
+
+COLUMNS = ["workload", "regime", "precision", "best_strategy", "strategy_shown", "decided_by",
+           "vs_native_diff", "vs_native_lo", "vs_native_hi", "vs_native_reading",
+           "vs_fp32_diff", "vs_fp32_lo", "vs_fp32_hi", "vs_fp32_reading", "reason"]
+
+
+def order_text() -> str:
+    """The metric order in words, for the report."""
+    return ", then ".join(label(m) for m in ORDER)
+
+
+def label(metric: str) -> str:
+    return METRIC_BY_COLUMN[metric].label if metric in METRIC_BY_COLUMN else metric
+
+
+def which_strategy_when(runs: pd.DataFrame, comps: pd.DataFrame) -> pd.DataFrame:
+    """The table (:data:`COLUMNS`) from the ``runs`` table and the comparisons of
+    :func:`analysis.tables.compare_to_baseline` and :func:`~analysis.tables.compare_to_reference`
+    concatenated (``comparisons.csv``)."""
+    ids = identified(runs)
+    if ids.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    low = ids[ids["precision"] != REFERENCE_PRECISION]
+    rows = []
+    for (workload, precision), cell in low.groupby(["workload", "precision"], sort=True):
+        here = comps[(comps["workload"] == workload) & (comps["precision"] == precision)] \
+            if not comps.empty else comps
+        regimes = cell["regime"].dropna() if "regime" in cell else pd.Series(dtype=object)
+        regime = regimes.iloc[0] if not regimes.empty else str(workload).rsplit("/", 1)[-1]
+        row = dict.fromkeys(COLUMNS, "")
+        row.update(workload=workload, regime=regime, precision=precision)
+        row.update(_cell(sorted(set(cell["strategy"])), here))
+        rows.append(row)
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _cell(strategies: list[str], comps: pd.DataFrame) -> dict[str, object]:
+    """Best strategy, its effects and the reason for one workload × precision."""
+    native = comps[comps["baseline"] == BASELINE] if not comps.empty else comps
+    ref = comps[(comps["baseline"] == REFERENCE_PRECISION) & (comps["metric"] == PRIMARY)] \
+        if not comps.empty else comps
+    if BASELINE not in strategies:
+        return _control(strategies, ref)
+    metric, cand, dropped = _earliest(native, CLEARLY_BETTER)
+    if metric is not None:
+        best = cand.iloc[0]
+        names = ", ".join(code(s) for s in cand["strategy"])
+        lead = (f"the only rule clearly better than `{BASELINE}` on {label(metric)}: {names} "
+                f"({_delta(best)})" if len(cand) == 1 else
+                f"the only rules clearly better than `{BASELINE}` on {label(metric)}: {names}; "
+                f"{code(best.strategy)} has the largest paired gain ({_delta(best)})")
+        return _shown(best.strategy, best, ref, metric, _before(metric) + lead + dropped,
+                      best=True)
+    metric, cand, dropped = _earliest(native, BETTER_FEW)
+    if metric is not None:
+        top = cand.iloc[0]
+        names = ", ".join(code(s) for s in cand["strategy"])
+        text = (f"no rule clearly better than `{BASELINE}` on any metric; on {label(metric)} "
+                f"{names} {'is' if len(cand) == 1 else 'are'} {BETTER_FEW} "
+                f"({code(top.strategy)}: {_delta(top)})")
+        return _shown(top.strategy, top, ref, metric, text + dropped)
+    worse = sorted(set(native.loc[(native["metric"] == PRIMARY)
+                                  & native["reading"].isin([CLEARLY_WORSE, WORSE_FEW]),
+                                  "strategy"])) if not native.empty else []
+    also = f"; worse on final eval loss: {', '.join(code(s) for s in worse)}" if worse else ""
+    readings = set(native["reading"]) if not native.empty else set()
+    if NO_DIFFERENCE in readings:
+        out = _shown(BASELINE, None, ref, "", f"no rule better than `{BASELINE}` on any metric "
+                     f"(every paired reading is '{NO_DIFFERENCE}' or worse){also}")
+        out["vs_native_reading"] = NO_DIFFERENCE
+        return out
+    if readings - {NOT_COMPARABLE}:
+        return _shown(BASELINE, None, ref, "", "every comparable paired reading of every other "
+                      f"rule against `{BASELINE}` is worse{also}", best=True)
+    out = _shown(BASELINE, None, ref, "", f"fewer than 2 paired seeds against `{BASELINE}`: "
+                 "nothing to compare" if len(strategies) > 1 else
+                 f"only `{BASELINE}` ran here: nothing to compare it with")
+    out["vs_native_reading"] = NOT_COMPARABLE
+    return out
+
+
+def _control(strategies: list[str], ref: pd.DataFrame) -> dict[str, object]:
+    """A cell without ``native``: the strategy with the smallest paired gap to fp32."""
+    rows = ref[ref["strategy"].isin(strategies)].sort_values(
+        ["paired_diff", "strategy"], na_position="last") if not ref.empty else ref
+    shown = rows.iloc[0].strategy if not rows.empty else strategies[0]
+    out = _shown(shown, None, ref, "", "")
+    gap = (f"{out['vs_fp32_reading']} on final eval loss ({_delta(rows.iloc[0])})"
+           if not rows.empty else "no fp32 run of the same seeds to compare with")
+    many = " (smallest paired loss gap of " + ", ".join(code(s) for s in strategies) + ")" \
+        if len(strategies) > 1 else ""
+    out["reason"] = (f"no `{BASELINE}` here: compared with the fp32 run of the same seed only; "
+                     f"{code(shown)}{many} against fp32: {gap}")
+    out["vs_native_reading"] = ""
+    return out
+
+
+def _shown(strategy: str, vs_native: pd.Series | None, ref: pd.DataFrame, metric: str,
+           reason: str, best: bool = False) -> dict[str, object]:
+    out: dict[str, object] = {"best_strategy": strategy if best else "",
+                              "strategy_shown": strategy, "decided_by": metric,
+                              "reason": reason}
+    out.update(_effect("vs_native", vs_native))
+    r = ref[ref["strategy"] == strategy] if not ref.empty else ref
+    out.update(_effect("vs_fp32", r.iloc[0] if not r.empty else None))
+    if r.empty:
+        out["vs_fp32_reading"] = NOT_COMPARABLE
+    return out
+
+
+def _effect(prefix: str, c: pd.Series | None) -> dict[str, object]:
+    nan = float("nan")
+    if c is None:
+        return {f"{prefix}_diff": nan, f"{prefix}_lo": nan, f"{prefix}_hi": nan,
+                f"{prefix}_reading": ""}
+    return {f"{prefix}_diff": c.paired_diff, f"{prefix}_lo": c.paired_diff_lo,
+            f"{prefix}_hi": c.paired_diff_hi, f"{prefix}_reading": c.reading}
+
+
+def _earliest(native: pd.DataFrame, wanted: str) -> tuple[str | None, pd.DataFrame, str]:
+    """The earliest metric of :data:`ORDER` on which a strategy reads ``wanted`` against
+    ``native``, those strategies (lowest mean paired difference first) and a note on the ones
+    left out for reading clearly worse on an earlier metric."""
+    out: set[str] = set()
+    for metric in ORDER:
+        rows = native[native["metric"] == metric] if not native.empty else native
+        if rows.empty:
+            continue
+        hit = rows[rows["reading"] == wanted]
+        cand = hit[~hit["strategy"].isin(out)]
+        if not cand.empty:
+            left = sorted(set(hit["strategy"]) & out)
+            note = (f" (not counted, clearly worse on an earlier metric: "
+                    f"{', '.join(code(s) for s in left)})" if left else "")
+            return metric, cand.sort_values(["paired_diff", "strategy"], na_position="last"), note
+        out |= set(rows.loc[rows["reading"] == CLEARLY_WORSE, "strategy"])
+    return None, native.iloc[0:0], ""
+
+
+def _before(metric: str) -> str:
+    """``nothing clearly better on final eval loss, time to target; `` for the metrics read
+    before ``metric``."""
+    earlier = ORDER[:ORDER.index(metric)]
+    return (f"nothing clearly better on {', '.join(label(m) for m in earlier)}; "
+            if earlier else "")
+
+
+def _delta(c: pd.Series) -> str:
+    return "Δ = " + fmt_ci(c.paired_diff, c.paired_diff_lo, c.paired_diff_hi)
+
+
+def table_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows of the report's table (numbers formatted, readings verbatim)."""
+    ambiguous = df.groupby("regime")["workload"].nunique().gt(1).any() if not df.empty else False
+    cols = ["workload" if ambiguous else "regime", "precision", "best strategy", "decided by",
+            f"vs `{BASELINE}`: Δ [95% CI], reading", "vs fp32, final eval loss: Δ [95% CI], "
+            "reading", "reason"]
+    rows = []
+    for r in df.itertuples(index=False):
+        shown = f"{code(r.strategy_shown)}: "
+        rows.append([
+            code(r.workload if ambiguous else r.regime), code(r.precision),
+            code(r.best_strategy) if r.best_strategy else "–",
+            label(r.decided_by) if r.decided_by else "–",
+            _cell_effect(r.vs_native_diff, r.vs_native_lo, r.vs_native_hi, r.vs_native_reading,
+                         "" if r.strategy_shown in (r.best_strategy, BASELINE) else shown),
+            _cell_effect(r.vs_fp32_diff, r.vs_fp32_lo, r.vs_fp32_hi, r.vs_fp32_reading,
+                         "" if r.strategy_shown == r.best_strategy else shown),
+            r.reason])
+    return cols, rows
+
+
+def _cell_effect(diff: float, lo: float, hi: float, reading: str, who: str) -> str:
+    if not reading:
+        return "–"
+    value = fmt_ci(diff, lo, hi)
+    return f"{who}{value}, {reading}" if value != "–" else f"{who}{reading}"
