@@ -10,9 +10,14 @@ summary has none. Where a seed has more than one completed reference run, the ta
 mean of theirs.
 
 The run's ``steps_to_target`` is the first logged step at which its own training loss is at or
-below the target (finite values only); ``+inf`` when it never gets there — it then loses its
-seed in the paired and rank statistics and is left out of means
-(:attr:`analysis.tables.Metric.inf_loses`), like a diverged run on final eval loss. NaN when the
+below the target (finite values only). A **completed** run that never gets there has its last
+logged step (its length): a lower bound on its true time, *censored* at the end of the run, so a
+paired difference against it understates the gap in both directions (a rule that reaches the
+target at step 40 where ``native`` never does within 100 steps reads Δ = -60, not -∞) and the
+paired t-test can still call it. A run that stopped early (diverged, stalled) without reaching it
+is ``+inf``: its length says nothing about its speed, so it loses its seed in the paired and rank
+statistics and is left out of means (:attr:`analysis.tables.Metric.inf_loses`), like a diverged
+run on final eval loss. NaN when the
 run has no identity, or its workload and seed have no completed fp32 reference with a loss at
 half time (not comparable). The reference's own value is at most its half-time step.
 """
@@ -81,5 +86,8 @@ def steps_to_target(runs: pd.DataFrame, train: pd.DataFrame) -> pd.Series:
         if curve is None:  # no train line at all: nothing to say, not "never"
             continue
         hit = curve[curve["value"] <= target[key]]
-        out[i] = float(hit["step"].iloc[0]) if not hit.empty else np.inf
+        if not hit.empty:
+            out[i] = float(hit["step"].iloc[0])
+        else:  # censored at the end of a completed run; a run that stopped early loses
+            out[i] = float(curve["step"].max()) if r.get("status") == "completed" else np.inf
     return out
