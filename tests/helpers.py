@@ -114,15 +114,23 @@ def fp16_safe(kw: dict) -> dict:
     return {**kw, "init_scale": min(kw.get("init_scale", 2.0**16), 2.0**16)}
 
 
-def make_strategy(name: str, kw: dict, model: torch.nn.Module, reference: Callable[[], torch.Tensor],
+def make_strategy(name: str, kw: dict, model: torch.nn.Module | None, reference: Callable[[], torch.Tensor],
                   **overrides: Any) -> strategies.Strategy:
     """``strategies.create(name, "cpu", ...)`` set up as a training loop must: attached to
-    ``model`` (per-layer rules install their hooks, probing rules take its parameters) and given
-    the fp32 reference loss closure (``norm_ratio``, ``hybrid``); a no-op for the other rules."""
-    s = strategies.create(name, "cpu", **{**kw, **overrides}).attach(model)
+    ``model`` (per-layer rules install their hooks, probing rules take its parameters; None: not
+    attached) and given the fp32 reference loss closure (``norm_ratio``, ``hybrid``); a no-op for
+    the other rules."""
+    s = strategies.create(name, "cpu", **{**kw, **overrides})
+    if model is not None:
+        s.attach(model)
     s.set_reference(reference)
     return s
 
+
+# Rules that unscale in their own pass before a fused optimizer steps (per-group scales, probes):
+# such an optimizer gets grad_scale None and unscaled gradients, as from GradScaler after unscale_().
+PROBING_OR_PER_GROUP = {n for n in strategies.available() if strategies.get(n).per_group
+                        or strategies.get(n).on_unscale is not strategies.Strategy.on_unscale}
 
 # Rules whose scale is fixed by definition (issue 11: "a non-finite step is skipped and S does not
 # change"): where every other rule must back off, these must keep S exactly.
