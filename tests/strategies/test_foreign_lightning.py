@@ -4,7 +4,7 @@ and a checkpoint (the plugin saves ``scaler.state_dict()``) resumes into a fresh
 
 Lightning's path (``lightning/pytorch/plugins/precision/amp.py``): ``pre_backward`` scales the
 loss, ``optimizer_step`` calls ``unscale_`` (unless the optimizer unscales itself), the
-gradient-clipping hook, ``step`` and ``update``; ``state_dict``/``load_state_dict`` of the plugin
+gradient-clipping hook (``gradient_clip_val``), ``step`` and ``update``; ``state_dict``/``load_state_dict`` of the plugin
 are the scaler's, stored in the checkpoint under the plugin's class name.
 """
 
@@ -79,7 +79,7 @@ def loader() -> torch.utils.data.DataLoader:
 def fit(name: str, kw: dict, max_steps: int, inject: int | None = None, ckpt: Path | None = None):
     module = Tiny(None, inject)
     module.scaler = make_strategy(name, fp16_safe(kw), module, module.reference_loss)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, gradient_clip_val=1.0,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=module.scaler)])
     trainer.fit(module, loader(), ckpt_path=ckpt)
