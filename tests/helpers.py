@@ -98,12 +98,15 @@ def preset_keywords(path: Path) -> tuple[str, dict]:
 
 def strategy_cases() -> list[Any]:
     """``pytest.param(name, kwargs)`` for every registered rule (its defaults) and every preset
-    YAML that is not named after a rule (deepspeed, megatron, none, te_delayed, ...)."""
+    YAML that is not just those defaults: the industry presets (deepspeed, megatron, none,
+    te_delayed, ...) and a rule's own YAML where it resolves to other values (``<rule>_yaml``)."""
     cases = [pytest.param(n, {}, id=n) for n in strategies.available()]
     for path in PRESETS:
+        name, kw = preset_keywords(path)
         if path.stem not in strategies.available():
-            name, kw = preset_keywords(path)
             cases.append(pytest.param(name, kw, id=path.stem))
+        elif strategies.create(name, **kw).params != strategies.create(name).params:
+            cases.append(pytest.param(name, kw, id=f"{path.stem}_yaml"))
     return cases
 
 
