@@ -22,7 +22,7 @@ help: ## List the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[dev]"
+	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[dev]" "$(TORCH_SPEC)"  # torch pinned: no extra may swap it
 	touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv: torch first (CPU build), then scalelab with its dev extras

@@ -10,16 +10,10 @@ import pytest
 import torch
 
 import strategies
-from tests.helpers import batch, forbid_host_sync, mlp, optimizer_state_equal, params_equal
+from tests.helpers import (FIXED_SCALE, assert_backed_off, batch, forbid_host_sync, mlp, optimizer_state_equal,
+                           params_equal)
 
 NAMES = strategies.available()
-# Rules whose scale is fixed by definition (issue 11: "a non-finite step is skipped and S does not
-# change"): where every other rule must back off, these must keep S exactly.
-FIXED_SCALE = {"static"}
-
-
-def assert_backed_off(name: str, after: float, before: float) -> None:
-    assert after == before if name in FIXED_SCALE else after < before
 
 
 def setup(name: str, optimizer: str = "adam", **kwargs):

@@ -11,11 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from tests.helpers import params_equal
+from tests.helpers import PROBING_OR_PER_GROUP, params_equal
 
 NAMES = strategies.available()
-PROBING_OR_PER_GROUP = {n for n in NAMES if strategies.get(n).per_group
-                        or strategies.get(n).on_unscale is not strategies.Strategy.on_unscale}
 
 
 def model_and_data(seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -99,24 +97,3 @@ def test_fp16_parameters_are_accepted_with_a_fused_optimizer_as_by_gradscaler(na
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):  # unscale_ itself still refuses
         s.scale(F.mse_loss(model(x), y).float()).backward()
         s.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
-
-
-class TakesScaler(torch.optim.SGD):
-    """An optimizer of the older contract: its step receives the scaler."""
-
-    _step_supports_amp_scaling = True
-
-    def step(self, closure=None, grad_scaler=None):  # type: ignore[override]
-        self.received = grad_scaler
-        return None
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_an_optimizer_that_takes_grad_scaler_receives_the_strategy(name: str) -> None:
-    model, x, y = model_and_data()
-    opt = TakesScaler(model.parameters(), lr=0.1)
-    s = strategies.create(name)
-    s.scale(F.mse_loss(model(x), y)).backward()
-    with pytest.warns(FutureWarning, match="stop passing itself"):
-        s.step(opt)
-    assert opt.received is s

@@ -9,18 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 import strategies
+from tests.helpers import CONF as CONF_ROOT
+from tests.helpers import PRESETS as YAMLS
+from tests.helpers import preset_keywords as keywords
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
-YAMLS = sorted(CONF.glob("*.yaml"))
-
-
-def keywords(path: Path) -> tuple[str, dict]:
-    """The YAML's keywords, resolved as in the app (a strategy may read the precision group)."""
-    root = OmegaConf.create({"precision": OmegaConf.load(CONF.parent / "precision" / "fp16.yaml"),
-                             "strategy": OmegaConf.load(path)})
-    cfg = OmegaConf.to_container(root, resolve=True)["strategy"]
-    assert cfg["_target_"] == "strategies.create"
-    return cfg["name"], {k: v for k, v in cfg.items() if k not in ("_target_", "name")}
+CONF = CONF_ROOT / "strategy"
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=[p.stem for p in YAMLS])
