@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, layers
@@ -64,7 +65,9 @@ def underflow_target_update_(
     max_shift: int,
     observed: bool,
 ) -> None:
-    """The rule, in place on the device (no host sync); clears ``exp_hist`` (float32 counts)."""
+    """The rule, in place on the device (no host sync); clears ``exp_hist`` (float32 counts). The
+    Python twin of ``torch.ops.scalelab.underflow_target_update_`` (``scalelab_rules_more.h``):
+    the counts are summed in double, exactly as long as they are integers below 2^53."""
     h = exp_hist.double()
     n = h.sum()
     bins = torch.arange(E_BINS, device=h.device, dtype=torch.float64) + E_LO
@@ -131,5 +134,6 @@ class UnderflowTargetStrategy(Strategy):
                           "the scale only backs off on overflow", stacklevel=3)
             self._warned = True
         p, s = self.params, self.state
-        underflow_target_update_(s.scale, s.exp_hist, found_inf, p.target, p.target_max, p.smallest_normal,
-                                 p.growth_factor, p.backoff_factor, p.max_shift, self._handle is not None)
+        kernels.dispatch("underflow_target_update_", underflow_target_update_, s.scale, s.exp_hist, found_inf,
+                         p.target, p.target_max, p.smallest_normal, p.growth_factor, p.backoff_factor, p.max_shift,
+                         self._handle is not None)
