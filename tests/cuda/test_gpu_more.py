@@ -1,6 +1,7 @@
 """The CUDA kernels of amax_history, hybrid, learned and underflow_target (scalelab_rules_more.h,
 one thread each) against the CPU op and the Python twin, over the trajectories of
-test_update_ops_more.py, without a host sync. Skipped without a GPU.
+test_update_ops_more.py, without a host sync; and the sync-free exponent histogram of
+underflow_target's hook on CUDA. Skipped without a GPU.
 
 learned and hybrid's probe take log2 / exp2 / pow in double on both devices (CUDA's within 1-2
 ulp of double, the C library's on the host) and round once to float32: equal bit for bit unless
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strategies.underflow_target import exponent_histogram
 from tests.cuda.test_gpu import cuda_ops, no_sync  # noqa: F401  (fixture)
 from tests.cuda.test_update_ops import assert_states_equal
 from tests.cuda.test_update_ops_more import TRAJECTORIES, with_loader
@@ -44,3 +46,13 @@ def test_update_kernel_equals_cpu_op_and_twin(cuda_ops, op_name, case):
         assert_states_equal(i, tuple(d.cpu() for d in dev), cpu)
     check(cpu)
 
+
+def test_exponent_histogram_on_cuda_is_sync_free_and_equals_the_cpu(cuda_ops):
+    gen = torch.Generator().manual_seed(6)
+    g = torch.exp2(torch.empty(100_000).uniform_(-160, 130, generator=gen)) * torch.randn(100_000, generator=gen)
+    g[torch.rand(100_000, generator=gen) < 0.1] = 0.0
+    g[:7] = float("nan")
+    gd = g.cuda()
+    with no_sync():
+        got = exponent_histogram(gd)
+    assert torch.equal(got.cpu(), exponent_histogram(g))
