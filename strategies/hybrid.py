@@ -175,8 +175,7 @@ class HybridStrategy(ReferenceProbe, Strategy):
         assert stats is not None
         s = self.state
         probed, ref, mp = self.probe_sums()
-        total = stats.total()
-        zero_frac = (total.zeros / total.numel.clamp(min=1).double()).float().reshape(())
+        zero_frac = stats.fraction(stats.zeros)
         kernels.dispatch("hybrid_update_", hybrid_update_, s.scale, s.ema, s.ema_steps, s.growth_tracker,
                          s.candidate, s.log_ratio_ema, s.ratio_steps, s.norm_ratio, s.calibrations, s.zero_frac_prev,
                          s.zero_jumped, found_inf, stats.absmax, zero_frac, ref, mp, probed,
