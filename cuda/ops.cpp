@@ -11,6 +11,10 @@
 //   max_ema_update_     strategies.max_ema.max_ema_update_
 //   norm_ratio_update_  strategies.norm_ratio.norm_ratio_update_
 //   layerwise_update_   strategies.layerwise.layerwise_update_
+//   amax_history_update_      strategies.amax_history.amax_history_update_
+//   hybrid_update_            strategies.hybrid.hybrid_update_
+//   learned_update_           strategies.learned.learned_update_
+//   underflow_target_update_  strategies.underflow_target.underflow_target_update_
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
@@ -46,4 +50,29 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor group_absmax, Tensor group_numel, Tensor emitted, Tensor contaminated, str rule, float target_max, "
       "float ema_decay, float growth_factor, float backoff_factor, int growth_interval, bool grow_on_zero, "
       "float? min_scale, float? max_scale, bool cap_ema_on_overflow=False) -> ()");
+  // amax_history: the history [L] rolled on finite steps; grad_absmax [G] (max taken here).
+  m.def(
+      "amax_history_update_(Tensor(a!) scale, Tensor(b!) history, Tensor found_inf, Tensor grad_absmax, "
+      "float scaled_max, float backoff_factor, bool most_recent) -> ()");
+  // hybrid: max_ema, the zero-jump trigger and the probe's override; scalar state, grad_absmax [G].
+  m.def(
+      "hybrid_update_(Tensor(a!) scale, Tensor(b!) ema, Tensor(c!) ema_steps, Tensor(d!) growth_tracker, "
+      "Tensor(e!) candidate, Tensor(f!) log_ratio_ema, Tensor(g!) ratio_steps, Tensor(h!) last_ratio, "
+      "Tensor(i!) calibrations, Tensor(j!) zero_frac_prev, Tensor(k!) zero_jumped, Tensor found_inf, "
+      "Tensor grad_absmax, Tensor zero_frac, Tensor ref_sumsq, Tensor mp_sumsq, bool probed, bool scheduled, "
+      "float target_max, float ema_decay, float growth_factor, float backoff_factor, int growth_interval, "
+      "bool round_pow2, bool grow_on_zero, bool cap_ema_on_overflow, float? zero_jump, float threshold_high, "
+      "float threshold_low, float ratio_ema_decay) -> ()");
+  // learned: Adam on log2 S; scalar state, grad_absmax [G].
+  m.def(
+      "learned_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) adam_m, Tensor(d!) adam_v, "
+      "Tensor(e!) adam_t, Tensor(f!) log2_scale, Tensor(g!) surrogate_loss, Tensor(h!) surrogate_grad, "
+      "Tensor(i!) underflow_frac, Tensor found_inf, Tensor grad_absmax, Tensor underflow, float target_max, "
+      "float underflow_weight, float lr, float beta1, float beta2, float eps, float growth_factor, "
+      "float backoff_factor, int growth_interval) -> ()");
+  // underflow_target: S placed from the exponent histogram [280], which it clears.
+  m.def(
+      "underflow_target_update_(Tensor(a!) scale, Tensor(b!) exp_hist, Tensor found_inf, float target, "
+      "float target_max, float smallest_normal, float growth_factor, float backoff_factor, int max_shift, "
+      "bool observed) -> ()");
 }

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.max_ema import FP16_MAX
@@ -50,15 +51,16 @@ def amax_history_update_(
     backoff_factor: float,
     most_recent: bool,
 ) -> None:
-    """The delayed-scaling rule, in place on the device (no host sync).
+    """The delayed-scaling rule, in place on the device (no host sync); the Python twin of
+    ``torch.ops.scalelab.amax_history_update_`` (``cuda/include/scalelab_rules_more.h``).
 
     Args:
         scale: float32 S; history: float32 ``[L]``, newest last; found_inf: float32 flag;
-        grad_absmax: float32 abs-max of the unscaled gradients; scaled_max: ``format_max *
-        2^-margin``; most_recent: ``algo == "most_recent"``.
+        grad_absmax: float32 abs-max of the unscaled gradients, per group (``[G]``; their max is
+        the step's); scaled_max: ``format_max * 2^-margin``; most_recent: ``algo == "most_recent"``.
     """
     found = found_inf > 0
-    rolled = torch.cat([history[1:], grad_absmax.reshape(1).to(history.dtype)])
+    rolled = torch.cat([history[1:], grad_absmax.amax().reshape(1).to(history.dtype)])
     hist = torch.where(found, history, rolled)
     amax = hist[-1] if most_recent else hist.amax()
     target = torch.tensor(scaled_max, dtype=torch.float32, device=scale.device) / amax
@@ -91,5 +93,5 @@ class AmaxHistoryStrategy(Strategy):
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
         p, s = self.params, self.state
-        amax_history_update_(s.scale, s.amax_history, found_inf, stats.absmax.amax(),
-                             p.format_max * 2.0 ** -p.margin, p.backoff_factor, p.algo == "most_recent")
+        kernels.dispatch("amax_history_update_", amax_history_update_, s.scale, s.amax_history, found_inf,
+                         stats.absmax, p.format_max * 2.0 ** -p.margin, p.backoff_factor, p.algo == "most_recent")

@@ -63,6 +63,7 @@ from typing import Optional
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.max_ema import MAX_EMA_STATE, MaxEmaParams, max_ema_update_, round_down_pow2
@@ -99,9 +100,14 @@ def hybrid_update_(
     candidate: torch.Tensor, log_ratio_ema: torch.Tensor, ratio_steps: torch.Tensor, last_ratio: torch.Tensor,
     calibrations: torch.Tensor, zero_frac_prev: torch.Tensor, zero_jumped: torch.Tensor,
     found_inf: torch.Tensor, grad_absmax: torch.Tensor, zero_frac: torch.Tensor,
-    ref_sumsq: torch.Tensor, mp_sumsq: torch.Tensor, probed: bool, scheduled: bool, p: HybridParams,
+    ref_sumsq: torch.Tensor, mp_sumsq: torch.Tensor, probed: bool, scheduled: bool,
+    target_max: float, ema_decay: float, growth_factor: float, backoff_factor: float, growth_interval: int,
+    round_pow2: bool, grow_on_zero: bool, cap_ema_on_overflow: bool, zero_jump: Optional[float],
+    threshold_high: float, threshold_low: float, ratio_ema_decay: float,
 ) -> None:
-    """The hybrid rule, in place on the device (no host sync). Scalar tensors.
+    """The hybrid rule, in place on the device (no host sync); the Python twin of
+    ``torch.ops.scalelab.hybrid_update_`` (``cuda/include/scalelab_rules_more.h``). Scalar tensors
+    but ``grad_absmax``.
 
     Args:
         scale, ema, ema_steps, growth_tracker, candidate: the max-EMA state
@@ -111,33 +117,42 @@ def hybrid_update_(
         calibrations: int64, incremented where the calibration overrode the max rule.
         zero_frac_prev: float32, the previous step's zero fraction (written with this step's).
         zero_jumped: float32, written with 1.0 where this step's zero fraction jumped.
-        found_inf, grad_absmax, zero_frac: this step's statistics (float32).
+        found_inf, zero_frac: this step's statistics (float32); grad_absmax: float32 abs-max per
+            group (``[G]``; their max is the step's).
         ref_sumsq, mp_sumsq: the reference and mixed-precision sums of squares (ignored unless
             ``probed``).
         probed: a reference ran this step (host bool); scheduled: this is a scheduled
             calibration step (host bool) — otherwise the probe acts only where the zero fraction
             jumped.
-        p: the hyper-parameters.
+        other arguments: the hyper-parameters (:class:`HybridParams`, in the order of
+            :func:`hybrid_hparams`).
     """
     s0 = scale.clone()
-    max_ema_update_(scale, ema, ema_steps, growth_tracker, candidate, found_inf, grad_absmax, p.target_max,
-                    p.ema_decay, p.growth_factor, p.backoff_factor, p.growth_interval, p.round_pow2,
-                    p.zero_grads == "grow", p.cap_ema_on_overflow)
+    max_ema_update_(scale, ema, ema_steps, growth_tracker, candidate, found_inf, grad_absmax.amax(), target_max,
+                    ema_decay, growth_factor, backoff_factor, growth_interval, round_pow2, grow_on_zero,
+                    cap_ema_on_overflow)
     z = zero_frac.to(torch.float32)
-    jump = (z - zero_frac_prev > p.zero_jump) if p.zero_jump is not None else torch.zeros_like(z, dtype=torch.bool)
+    jump = (z - zero_frac_prev > zero_jump) if zero_jump is not None else torch.zeros_like(z, dtype=torch.bool)
     zero_frac_prev.copy_(z)
     zero_jumped.copy_(jump)
     if not probed:
         return
     acted, moved = ratio_probe_(s0, log_ratio_ema, ratio_steps, last_ratio, found_inf, ref_sumsq, mp_sumsq,
-                                None if scheduled else jump, p.growth_factor, p.backoff_factor,
-                                p.threshold_high, p.threshold_low, p.ratio_ema_decay)
-    if p.round_pow2:
+                                None if scheduled else jump, growth_factor, backoff_factor,
+                                threshold_high, threshold_low, ratio_ema_decay)
+    if round_pow2:
         moved = round_down_pow2(moved)
     scale.copy_(torch.where(acted, moved, scale))
     ema.copy_(torch.where(acted, moved, ema))
     ema_steps.copy_(torch.where(acted, ema_steps.clamp(min=1), ema_steps))
     calibrations.add_(acted.to(calibrations.dtype))
+
+
+def hybrid_hparams(p: HybridParams) -> tuple:
+    """The hyper-parameter arguments of :func:`hybrid_update_` (after ``scheduled``), from ``p``."""
+    return (p.target_max, p.ema_decay, p.growth_factor, p.backoff_factor, p.growth_interval, p.round_pow2,
+            p.zero_grads == "grow", p.cap_ema_on_overflow, p.zero_jump, p.threshold_high, p.threshold_low,
+            p.ratio_ema_decay)
 
 
 @register_strategy("hybrid")
@@ -160,8 +175,8 @@ class HybridStrategy(ReferenceProbe, Strategy):
         assert stats is not None
         s = self.state
         probed, ref, mp = self.probe_sums()
-        total = stats.total()
-        zero_frac = (total.zeros / total.numel.clamp(min=1).double()).float().reshape(())
-        hybrid_update_(s.scale, s.ema, s.ema_steps, s.growth_tracker, s.candidate, s.log_ratio_ema, s.ratio_steps,
-                       s.norm_ratio, s.calibrations, s.zero_frac_prev, s.zero_jumped, found_inf,
-                       stats.absmax.amax(), zero_frac, ref, mp, probed, ReferenceProbe.probe_due(self), self.params)
+        zero_frac = stats.fraction(stats.zeros)
+        kernels.dispatch("hybrid_update_", hybrid_update_, s.scale, s.ema, s.ema_steps, s.growth_tracker,
+                         s.candidate, s.log_ratio_ema, s.ratio_steps, s.norm_ratio, s.calibrations, s.zero_frac_prev,
+                         s.zero_jumped, found_inf, stats.absmax, zero_frac, ref, mp, probed,
+                         ReferenceProbe.probe_due(self), *hybrid_hparams(self.params))

@@ -41,6 +41,7 @@ __all__ = [
     "available",
     "build_directory",
     "dispatch",
+    "f32_of_double",
     "load",
     "op_names",
     "source_dir",
@@ -285,6 +286,14 @@ def _update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
         if t.device != dev or not t.is_contiguous() or t.dtype not in (torch.float32, torch.int32, torch.int64):
             return False
     return True
+
+
+def f32_of_double(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a transcendental: sqrt, log2, exp2) of float32 ``x`` evaluated in double and rounded
+    once to float32, as the rule headers' ``log2_f``/``exp2_f`` compute it on every device
+    (``cuda/include/scalelab_common.h``): the Python twins use it so that they and the ops agree
+    bit for bit, torch's float32 kernels (vectorised, MKL) not being correctly rounded."""
+    return fn(x.double()).float()
 
 
 def dispatch(op: str, twin: Callable[..., Any], *args: Any) -> None:

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.max_ema import FP16_MAX
@@ -110,9 +111,16 @@ def learned_update_(
     scale: torch.Tensor, growth_tracker: torch.Tensor, adam_m: torch.Tensor, adam_v: torch.Tensor,
     adam_t: torch.Tensor, log2_scale: torch.Tensor, surrogate_loss: torch.Tensor, surrogate_grad: torch.Tensor,
     underflow_frac: torch.Tensor, found_inf: torch.Tensor, grad_absmax: torch.Tensor, underflow: torch.Tensor,
-    p: LearnedParams,
+    target_max: float, underflow_weight: float, lr: float, beta1: float, beta2: float, eps: float,
+    growth_factor: float, backoff_factor: float, growth_interval: int,
 ) -> None:
-    """The learned rule, in place on the device (no host sync). Scalar tensors.
+    """The learned rule, in place on the device (no host sync); the Python twin of
+    ``torch.ops.scalelab.learned_update_`` (``cuda/include/scalelab_rules_more.h``). Scalar tensors
+    but ``grad_absmax``.
+
+    log2, exp2 and sqrt are evaluated in double and rounded once to float32
+    (:func:`strategies.kernels.f32_of_double`), the bias corrections ``1 - beta^t`` in double, as
+    the rule header computes them on every device; every other op is one float32 rounding.
 
     Args:
         scale: float32 S (theta = log2 S is read from it); growth_tracker: int32, consecutive
@@ -121,31 +129,35 @@ def learned_update_(
         log2_scale, surrogate_loss, surrogate_grad, underflow_frac: float32, written for
             telemetry (the new theta; L, g and u of this step where it fed Adam).
         found_inf: float32, > 0 when the step's gradients were non-finite.
-        grad_absmax: float32 G; underflow: float32 u, this step's (zeros + subnormals) / numel.
-        p: the hyper-parameters (see the module docstring for the maths).
+        grad_absmax: float32 abs-max per group (``[G]``; their max is G); underflow: float32 u,
+            this step's (zeros + subnormals) / numel.
+        other arguments: the hyper-parameters (:class:`LearnedParams`, in the order of
+            :func:`learned_hparams`; the maths in the module docstring).
     """
+    f32_of_double = kernels.f32_of_double
+    grad_absmax = grad_absmax.amax()
     found = found_inf > 0
     fed = ~found & (grad_absmax > 0)
     u = underflow.to(torch.float32)
-    d = torch.log2(scale) + torch.log2(grad_absmax) - math.log2(p.target_max)
-    loss = d * d + p.underflow_weight * u
-    g = torch.where(fed, 2.0 * d - (p.underflow_weight * LN2) * u, torch.zeros_like(d))
+    d = f32_of_double(torch.log2, scale) + f32_of_double(torch.log2, grad_absmax) - math.log2(target_max)
+    loss = d * d + underflow_weight * u
+    g = torch.where(fed, 2.0 * d - (underflow_weight * LN2) * u, torch.zeros_like(d))
 
-    m = p.beta1 * adam_m + (1.0 - p.beta1) * g
-    v_ = p.beta2 * adam_v + (1.0 - p.beta2) * g * g
+    m = beta1 * adam_m + (1.0 - beta1) * g
+    v_ = beta2 * adam_v + (1.0 - beta2) * g * g
     t = adam_t + 1
     tf = t.to(torch.float64)  # bias corrections in double: 1 - 0.999^t loses 1e-5 relative in float
-    m_hat = m / (1.0 - torch.pow(p.beta1, tf)).to(torch.float32)
-    v_hat = v_ / (1.0 - torch.pow(p.beta2, tf)).to(torch.float32)
-    delta = p.lr * m_hat / (v_hat.sqrt() + p.eps)
+    m_hat = m / (1.0 - torch.pow(beta1, tf)).to(torch.float32)
+    v_hat = v_ / (1.0 - torch.pow(beta2, tf)).to(torch.float32)
+    delta = lr * m_hat / (f32_of_double(torch.sqrt, v_hat) + eps)
 
     tracker = torch.where(found, torch.zeros_like(growth_tracker),
-                          torch.clamp(growth_tracker + 1, max=p.growth_interval))
-    may_grow = tracker >= p.growth_interval
+                          torch.clamp(growth_tracker + 1, max=growth_interval))
+    may_grow = tracker >= growth_interval
     delta = torch.where(may_grow, delta, delta.clamp(min=0.0))  # theta - delta rises only if allowed
-    up = torch.where(may_grow, scale * p.growth_factor, scale)
-    new = torch.where(found, scale * p.backoff_factor,
-                      torch.where(fed, scale * torch.exp2(-delta), up)).to(torch.float32)
+    up = torch.where(may_grow, scale * growth_factor, scale)
+    new = torch.where(found, scale * backoff_factor,
+                      torch.where(fed, scale * f32_of_double(torch.exp2, -delta), up)).to(torch.float32)
     new = torch.where(torch.isfinite(new) & (new > 0), new, scale)
 
     adam_m.copy_(torch.where(found, torch.zeros_like(m), torch.where(fed, m, adam_m)))
@@ -156,7 +168,13 @@ def learned_update_(
     underflow_frac.copy_(u)
     growth_tracker.copy_(tracker)
     scale.copy_(new)
-    log2_scale.copy_(torch.log2(new))
+    log2_scale.copy_(f32_of_double(torch.log2, new))
+
+
+def learned_hparams(p: LearnedParams) -> tuple:
+    """The hyper-parameter arguments of :func:`learned_update_` (after ``underflow``), from ``p``."""
+    return (p.target_max, p.underflow_weight, p.lr, p.beta1, p.beta2, p.eps, p.growth_factor, p.backoff_factor,
+            p.growth_interval)
 
 
 @register_strategy("learned")
@@ -173,7 +191,7 @@ class LearnedStrategy(Strategy):
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
         s = self.state
-        total = stats.total()
-        u = ((total.zeros + total.subnormals) / total.numel.clamp(min=1).double()).float().reshape(())
-        learned_update_(s.scale, s.growth_tracker, s.adam_m, s.adam_v, s.adam_t, s.log2_scale, s.surrogate_loss,
-                        s.surrogate_grad, s.underflow_frac, found_inf, stats.absmax.amax(), u, self.params)
+        u = stats.fraction(stats.zeros + stats.subnormals)
+        kernels.dispatch("learned_update_", learned_update_, s.scale, s.growth_tracker, s.adam_m, s.adam_v,
+                         s.adam_t, s.log2_scale, s.surrogate_loss, s.surrogate_grad, s.underflow_frac, found_inf,
+                         stats.absmax, u, *learned_hparams(self.params))

@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, Iterable, List, Optional, Sequence
 
 import torch
 
+from strategies import kernels
 from strategies import validation as v
 from strategies.params import hp
 from strategies.reference import fp32_loss
@@ -81,13 +82,16 @@ def ratio_probe_(
     ``threshold_high``, ``backoff_factor`` below ``threshold_low``), with a non-finite or
     non-positive result rejected (``S`` kept). ``scale`` itself is not written.
     """
-    ref, mp = ref_sumsq.sqrt(), mp_sumsq.sqrt()
+    # sqrt and log2 in double, rounded once to float32, as the rule header computes them
+    # (scalelab_common.h): torch's float32 sqrt/log2 on the CPU (MKL) are not correctly rounded.
+    ref, mp = kernels.f32_of_double(torch.sqrt, ref_sumsq), kernels.f32_of_double(torch.sqrt, mp_sumsq)
     last_ratio.copy_(ref / mp)
     found = found_inf > 0
     valid = ~found & torch.isfinite(ref) & torch.isfinite(mp) & ((ref > 0) | (mp > 0))
     if live is not None:
         valid = valid & live
-    log_r = (torch.log2(ref) - torch.log2(mp)).nan_to_num(0.0).clamp(-LOG2_RATIO_CLAMP, LOG2_RATIO_CLAMP)
+    log_r = (kernels.f32_of_double(torch.log2, ref) - kernels.f32_of_double(torch.log2, mp)).nan_to_num(0.0)
+    log_r = log_r.clamp(-LOG2_RATIO_CLAMP, LOG2_RATIO_CLAMP)
     m_fed = torch.where(ema_steps > 0, log_ratio_ema * ema_decay + log_r * (1.0 - ema_decay), log_r)
     m = torch.where(valid, m_fed.to(torch.float32), log_ratio_ema)
 

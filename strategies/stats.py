@@ -95,6 +95,12 @@ class GradStats:
         p, s = peak.split(g), summed.split(g)
         return GradStats(p[0], p[1], s[0].float(), s[1].long(), s[2].long(), s[3].long())
 
+    def fraction(self, counts: torch.Tensor) -> torch.Tensor:
+        """``sum(counts) / sum(numel)`` over the groups as a float32 scalar (0 without entries),
+        divided in double: the zero or underflow fraction of the whole step, in three small ops
+        (a rule's per-step cost; :meth:`total` reduces every field)."""
+        return (counts.sum() / self.numel.sum().clamp(min=1).double()).float()
+
     def total(self) -> "GradStats":
         """Reduce over groups: every field becomes shape ``[1]``."""
         return GradStats(

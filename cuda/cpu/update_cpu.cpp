@@ -9,8 +9,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "scalelab_rules.h"
 
@@ -169,11 +172,123 @@ void layerwise_update_op(at::Tensor& scales, at::Tensor& growth_trackers, at::Te
   run(d, f, 1, "layerwise_update_");  // one thread: the blame needs every group first
 }
 
+// Several one-element tensors of one dtype (the one-thread rules' state and statistics).
+using Named = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
+void check_scalars(Named tensors, const at::Device& d, at::ScalarType dt) {
+  for (const auto& [t, name] : tensors) check(*t, d, dt, name, 1);
+}
+
+// The step's per-group abs-max, reduced (NaN-propagating max) by the one-thread rules: [G] or [1].
+int64_t check_absmax(const at::Tensor& grad_absmax, const at::Device& d) {
+  TORCH_CHECK(grad_absmax.numel() >= 1, "scalelab: grad_absmax must not be empty");
+  check(grad_absmax, d, at::kFloat, "grad_absmax", grad_absmax.numel());
+  return grad_absmax.numel();
+}
+
+void amax_history_update_op(at::Tensor& scale, at::Tensor& history, const at::Tensor& found_inf,
+                            const at::Tensor& grad_absmax, double scaled_max, double backoff_factor,
+                            bool most_recent) {
+  const at::Device d = scale.device();
+  check_scalars({{&scale, "scale"}, {&found_inf, "found_inf"}}, d, at::kFloat);
+  TORCH_CHECK(history.numel() >= 1, "scalelab: history must not be empty");
+  check(history, d, at::kFloat, "history", history.numel());
+  const int64_t groups = check_absmax(grad_absmax, d);
+  const rules::AmaxHistoryUpdate f{scale.data_ptr<float>(), history.data_ptr<float>(), history.numel(),
+                                   found_inf.const_data_ptr<float>(), grad_absmax.const_data_ptr<float>(), groups,
+                                   rules::AmaxHistoryParams{static_cast<float>(scaled_max), backoff_factor,
+                                                            most_recent}};
+  run(d, f, 1, "amax_history_update_");
+}
+
+void hybrid_update_op(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
+                      at::Tensor& candidate, at::Tensor& log_ratio_ema, at::Tensor& ratio_steps,
+                      at::Tensor& last_ratio, at::Tensor& calibrations, at::Tensor& zero_frac_prev,
+                      at::Tensor& zero_jumped, const at::Tensor& found_inf, const at::Tensor& grad_absmax,
+                      const at::Tensor& zero_frac, const at::Tensor& ref_sumsq, const at::Tensor& mp_sumsq,
+                      bool probed, bool scheduled, double target_max, double ema_decay, double growth_factor,
+                      double backoff_factor, int64_t growth_interval, bool round_pow2, bool grow_on_zero,
+                      bool cap_ema_on_overflow, std::optional<double> zero_jump, double threshold_high,
+                      double threshold_low, double ratio_ema_decay) {
+  const at::Device d = scale.device();
+  check_scalars({{&scale, "scale"}, {&ema, "ema"}, {&candidate, "candidate"}, {&log_ratio_ema, "log_ratio_ema"},
+                 {&last_ratio, "last_ratio"}, {&zero_frac_prev, "zero_frac_prev"}, {&zero_jumped, "zero_jumped"},
+                 {&found_inf, "found_inf"}, {&zero_frac, "zero_frac"}, {&ref_sumsq, "ref_sumsq"},
+                 {&mp_sumsq, "mp_sumsq"}},
+                d, at::kFloat);
+  check_scalars({{&ema_steps, "ema_steps"}, {&growth_tracker, "growth_tracker"}, {&ratio_steps, "ratio_steps"}}, d,
+                at::kInt);
+  check(calibrations, d, at::kLong, "calibrations", 1);
+  const int64_t groups = check_absmax(grad_absmax, d);
+  const rules::HybridParams p{
+      rules::max_ema_params(target_max, ema_decay, growth_factor, backoff_factor, growth_interval, round_pow2,
+                            grow_on_zero, cap_ema_on_overflow),
+      rules::ratio_probe_params(growth_factor, backoff_factor, threshold_high, threshold_low, ratio_ema_decay),
+      zero_jump.has_value(), static_cast<float>(zero_jump.value_or(0.0))};
+  const rules::HybridUpdate f{scale.data_ptr<float>(),          ema.data_ptr<float>(),
+                              ema_steps.data_ptr<int32_t>(),    growth_tracker.data_ptr<int32_t>(),
+                              candidate.data_ptr<float>(),      log_ratio_ema.data_ptr<float>(),
+                              ratio_steps.data_ptr<int32_t>(),  last_ratio.data_ptr<float>(),
+                              calibrations.data_ptr<int64_t>(), zero_frac_prev.data_ptr<float>(),
+                              zero_jumped.data_ptr<float>(),    found_inf.const_data_ptr<float>(),
+                              grad_absmax.const_data_ptr<float>(), groups,
+                              zero_frac.const_data_ptr<float>(), ref_sumsq.const_data_ptr<float>(),
+                              mp_sumsq.const_data_ptr<float>(), probed,
+                              scheduled,                        p};
+  run(d, f, 1, "hybrid_update_");
+}
+
+void learned_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& adam_m, at::Tensor& adam_v,
+                       at::Tensor& adam_t, at::Tensor& log2_scale, at::Tensor& surrogate_loss,
+                       at::Tensor& surrogate_grad, at::Tensor& underflow_frac, const at::Tensor& found_inf,
+                       const at::Tensor& grad_absmax, const at::Tensor& underflow, double target_max,
+                       double underflow_weight, double lr, double beta1, double beta2, double eps,
+                       double growth_factor, double backoff_factor, int64_t growth_interval) {
+  const at::Device d = scale.device();
+  check_scalars({{&scale, "scale"}, {&adam_m, "adam_m"}, {&adam_v, "adam_v"}, {&log2_scale, "log2_scale"},
+                 {&surrogate_loss, "surrogate_loss"}, {&surrogate_grad, "surrogate_grad"},
+                 {&underflow_frac, "underflow_frac"}, {&found_inf, "found_inf"}, {&underflow, "underflow"}},
+                d, at::kFloat);
+  check_scalars({{&growth_tracker, "growth_tracker"}, {&adam_t, "adam_t"}}, d, at::kInt);
+  const int64_t groups = check_absmax(grad_absmax, d);
+  const rules::LearnedUpdate f{scale.data_ptr<float>(),         growth_tracker.data_ptr<int32_t>(),
+                               adam_m.data_ptr<float>(),        adam_v.data_ptr<float>(),
+                               adam_t.data_ptr<int32_t>(),      log2_scale.data_ptr<float>(),
+                               surrogate_loss.data_ptr<float>(), surrogate_grad.data_ptr<float>(),
+                               underflow_frac.data_ptr<float>(), found_inf.const_data_ptr<float>(),
+                               grad_absmax.const_data_ptr<float>(), groups,
+                               underflow.const_data_ptr<float>(),
+                               rules::learned_params(target_max, underflow_weight, lr, beta1, beta2, eps,
+                                                     growth_factor, backoff_factor, growth_interval)};
+  run(d, f, 1, "learned_update_");
+}
+
+void underflow_target_update_op(at::Tensor& scale, at::Tensor& exp_hist, const at::Tensor& found_inf, double target,
+                                double target_max, double smallest_normal, double growth_factor,
+                                double backoff_factor, int64_t max_shift, bool observed) {
+  const at::Device d = scale.device();
+  check_scalars({{&scale, "scale"}, {&found_inf, "found_inf"}}, d, at::kFloat);
+  check(exp_hist, d, at::kFloat, "exp_hist", rules::kExpBins);
+  const rules::UnderflowTargetParams p{target,
+                                       std::floor(std::log2(smallest_normal)),
+                                       std::floor(std::log2(target_max)) - 1.0,
+                                       static_cast<double>(max_shift),
+                                       static_cast<float>(growth_factor),
+                                       static_cast<float>(backoff_factor),
+                                       observed};
+  const rules::UnderflowTargetUpdate f{scale.data_ptr<float>(), exp_hist.data_ptr<float>(),
+                                       found_inf.const_data_ptr<float>(), p};
+  run(d, f, 1, "underflow_target_update_");
+}
+
 void register_update_ops(torch::Library& m) {
   m.impl("native_update_", &native_update_op);
   m.impl("max_ema_update_", &max_ema_update_op);
   m.impl("norm_ratio_update_", &norm_ratio_update_op);
   m.impl("layerwise_update_", &layerwise_update_op);
+  m.impl("amax_history_update_", &amax_history_update_op);
+  m.impl("hybrid_update_", &hybrid_update_op);
+  m.impl("learned_update_", &learned_update_op);
+  m.impl("underflow_target_update_", &underflow_target_update_op);
 }
 
 }  // namespace

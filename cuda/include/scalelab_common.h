@@ -5,6 +5,7 @@
 // kernels classify and round every element identically.
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -139,16 +140,16 @@ SCALELAB_HD float rn_sqrt(float a) {
   return __builtin_sqrtf(a);
 #endif
 }
-// log2 of a float: the C library's log2f on the host (what torch's scalar CPU kernel calls);
-// CUDA's log2f (max 1 ulp) on the device, so device results may differ from the host in the
-// last bit of a logarithm.
-SCALELAB_HD float log2_f(float a) {
-#if defined(__CUDA_ARCH__)
-  return log2f(a);
-#else
-  return __builtin_log2f(a);
-#endif
-}
+// Transcendentals of a float32 argument, evaluated in double and rounded once to float32: the
+// C library's log2/exp2/pow on the host, CUDA's double-precision ones (<= 1-2 ulp of double) on
+// the device. The Python twins compute them the same way (torch on a float64 tensor, then
+// .float()), because torch's float32 kernels (vectorised, MKL) are not correctly rounded. Two
+// double results within an ulp of each other round to the same float32 unless they straddle a
+// float32 rounding boundary (probability about 2^-29 per evaluation), so host, device and twin
+// agree bit for bit in practice; sqrt is exact (IEEE) in float32 and in the twin's double-then-round.
+SCALELAB_HD float log2_f(float a) { return static_cast<float>(log2(static_cast<double>(a))); }
+SCALELAB_HD float exp2_f(float a) { return static_cast<float>(exp2(static_cast<double>(a))); }
+SCALELAB_HD double pow_d(double a, double b) { return pow(a, b); }
 
 // Gradient element types the kernels accept (the dtype code passed across the C ABI).
 enum DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };

@@ -14,6 +14,8 @@
 //   max_ema     strategies/max_ema.py
 //   norm_ratio  strategies/norm_ratio.py
 //   layerwise   strategies/layerwise.py (per group)
+// and, in scalelab_rules_more.h (included at the end): amax_history, hybrid, learned,
+// underflow_target.
 #pragma once
 
 #include "scalelab_common.h"
@@ -190,41 +192,69 @@ struct MaxEmaUpdate {
 };
 
 // ---------------------------------------------------------------------------------------------
-// norm_ratio: norm-ratio scaling (seed 003, section 3.2), exactly
-// strategies.norm_ratio.norm_ratio_update_. Off-probe steps: torch's rule (native_update, H = 1).
-// Probe steps, with r = sqrt(ref_sumsq) / sqrt(mp_sumsq):
+// The fp32 reference probe's decision (strategies.probe.ratio_probe_, shared by norm_ratio and
+// hybrid), with r = sqrt(ref_sumsq) / sqrt(mp_sumsq):
 //
-//   valid = !found && both norms finite && (ref > 0 || mp > 0)
+//   valid = live && !found && both norms finite && (ref > 0 || mp > 0)
 //   l = clamp(nan_to_num(log2 ref - log2 mp), -16, 16)
-//   m <- valid ? (steps > 0 ? d*m + (1-d)*l : l) : m
+//   m <- valid ? (steps > 0 ? d*m + (1-d)*l : l) : m;   steps += valid
 //   a = m > log2(th_high) ? growth : m < log2(th_low) ? backoff : 1
-//   valid && a != 1:  S <- S*a (kept if not finite or not > 0), t <- 0;   else torch's rule
+//   returns acted = valid && a != 1; *moved = S*a (S if not finite or not > 0)
 // ---------------------------------------------------------------------------------------------
-struct NormRatioParams {
-  double growth_factor;   // torch's rule (double arithmetic)
-  double backoff_factor;
-  int32_t growth_interval;
-  float growth_factor_f;  // the probe's factors, float32 as torch rounds them
-  float backoff_factor_f;
+struct RatioProbeParams {
+  float growth_factor;  // float32 as torch rounds them
+  float backoff_factor;
   float log2_threshold_high;  // (float) math.log2(threshold_high)
   float log2_threshold_low;
   float ema_decay;
   float one_minus_decay;
-  float log2_clamp;  // 16
+};
+
+inline RatioProbeParams ratio_probe_params(double growth_factor, double backoff_factor, double threshold_high,
+                                           double threshold_low, double ema_decay) {
+  return RatioProbeParams{static_cast<float>(growth_factor),         static_cast<float>(backoff_factor),
+                          static_cast<float>(log2(threshold_high)), static_cast<float>(log2(threshold_low)),
+                          static_cast<float>(ema_decay),            static_cast<float>(1.0 - ema_decay)};
+}
+
+constexpr float kLog2RatioClamp = 16.0f;
+
+SCALELAB_HD bool ratio_probe(float s, float* log_ratio_ema, int32_t* ema_steps, float* last_ratio, float found_inf,
+                             float ref_sumsq, float mp_sumsq, bool live, const RatioProbeParams& p, float* moved) {
+  const float ref = rn_sqrt(ref_sumsq), mp = rn_sqrt(mp_sumsq);
+  *last_ratio = rn_div(ref, mp);
+  const bool valid = live && !(found_inf > 0.f) && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
+  float l = rn_sub(log2_f(ref), log2_f(mp));
+  if (is_nan(l)) l = 0.f;
+  l = l < -kLog2RatioClamp ? -kLog2RatioClamp : (l > kLog2RatioClamp ? kLog2RatioClamp : l);
+  const float m_fed = *ema_steps > 0 ? rn_add(rn_mul(*log_ratio_ema, p.ema_decay), rn_mul(l, p.one_minus_decay)) : l;
+  const float m = valid ? m_fed : *log_ratio_ema;
+  const float a = m > p.log2_threshold_high ? p.growth_factor
+                                            : (m < p.log2_threshold_low ? p.backoff_factor : 1.f);
+  float next = rn_mul(s, a);
+  if (!(is_finite(next) && next > 0.f)) next = s;
+  *moved = next;
+  *log_ratio_ema = m;
+  *ema_steps += valid ? 1 : 0;
+  return valid && a != 1.f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// norm_ratio: norm-ratio scaling (seed 003, section 3.2), exactly
+// strategies.norm_ratio.norm_ratio_update_. Off-probe steps: torch's rule (native_update, H = 1).
+// Probe steps: ratio_probe; where it acted S <- S*a, t <- 0, else torch's rule.
+// ---------------------------------------------------------------------------------------------
+struct NormRatioParams {
+  double growth_factor;  // torch's rule (double arithmetic)
+  double backoff_factor;
+  int32_t growth_interval;
+  RatioProbeParams probe;
 };
 
 inline NormRatioParams norm_ratio_params(double growth_factor, double backoff_factor, int64_t growth_interval,
                                          double threshold_high, double threshold_low, double ema_decay) {
-  return NormRatioParams{growth_factor,
-                         backoff_factor,
-                         static_cast<int32_t>(growth_interval),
-                         static_cast<float>(growth_factor),
-                         static_cast<float>(backoff_factor),
-                         static_cast<float>(__builtin_log2(threshold_high)),
-                         static_cast<float>(__builtin_log2(threshold_low)),
-                         static_cast<float>(ema_decay),
-                         static_cast<float>(1.0 - ema_decay),
-                         16.0f};
+  return NormRatioParams{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval),
+                         ratio_probe_params(growth_factor, backoff_factor, threshold_high, threshold_low, ema_decay)};
 }
 
 SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float* log_ratio_ema, int32_t* ema_steps,
@@ -235,29 +265,11 @@ SCALELAB_HD void norm_ratio_update(float* scale, int32_t* growth_tracker, float*
   int32_t h = 1;
   const NativeParams np{p.growth_factor, p.backoff_factor, p.growth_interval, 1};
   native_update(&s_native, &t_native, &h, found_inf, np);
-  if (!probed) {
-    *scale = s_native;
-    *growth_tracker = t_native;
-    return;
-  }
-  const float ref = rn_sqrt(ref_sumsq), mp = rn_sqrt(mp_sumsq);
-  *last_ratio = rn_div(ref, mp);
-  const bool found = found_inf > 0.f;
-  const bool valid = !found && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
-  float l = rn_sub(log2_f(ref), log2_f(mp));
-  if (is_nan(l)) l = 0.f;
-  l = l < -p.log2_clamp ? -p.log2_clamp : (l > p.log2_clamp ? p.log2_clamp : l);
-  const float m_fed = *ema_steps > 0 ? rn_add(rn_mul(*log_ratio_ema, p.ema_decay), rn_mul(l, p.one_minus_decay)) : l;
-  const float m = valid ? m_fed : *log_ratio_ema;
-  const float a = m > p.log2_threshold_high ? p.growth_factor_f
-                                            : (m < p.log2_threshold_low ? p.backoff_factor_f : 1.f);
-  const bool acted = valid && a != 1.f;
-  float moved = rn_mul(*scale, a);
-  if (!(is_finite(moved) && moved > 0.f)) moved = *scale;
+  float moved = *scale;
+  const bool acted = probed && ratio_probe(*scale, log_ratio_ema, ema_steps, last_ratio, found_inf, ref_sumsq,
+                                           mp_sumsq, true, p.probe, &moved);
   *scale = acted ? moved : s_native;
   *growth_tracker = acted ? 0 : t_native;
-  *log_ratio_ema = m;
-  *ema_steps += valid ? 1 : 0;
 }
 
 struct NormRatioUpdate {
@@ -374,3 +386,5 @@ struct LayerwiseUpdate {
 
 }  // namespace rules
 }  // namespace scalelab
+
+#include "scalelab_rules_more.h"  // the later rules (split for the 400-line limit)

@@ -39,6 +39,11 @@ template cudaError_t launch_rule<rules::NativeUpdate>(const rules::NativeUpdate&
 template cudaError_t launch_rule<rules::MaxEmaUpdate>(const rules::MaxEmaUpdate&, int64_t, cudaStream_t);
 template cudaError_t launch_rule<rules::NormRatioUpdate>(const rules::NormRatioUpdate&, int64_t, cudaStream_t);
 template cudaError_t launch_rule<rules::LayerwiseUpdate>(const rules::LayerwiseUpdate&, int64_t, cudaStream_t);
+template cudaError_t launch_rule<rules::AmaxHistoryUpdate>(const rules::AmaxHistoryUpdate&, int64_t, cudaStream_t);
+template cudaError_t launch_rule<rules::HybridUpdate>(const rules::HybridUpdate&, int64_t, cudaStream_t);
+template cudaError_t launch_rule<rules::LearnedUpdate>(const rules::LearnedUpdate&, int64_t, cudaStream_t);
+template cudaError_t launch_rule<rules::UnderflowTargetUpdate>(const rules::UnderflowTargetUpdate&, int64_t,
+                                                               cudaStream_t);
 
 }  // namespace cuda
 }  // namespace scalelab

@@ -8,10 +8,14 @@ from typing import Any, Callable
 
 import torch
 
+from strategies.amax_history import amax_history_update_
+from strategies.hybrid import hybrid_update_
 from strategies.layerwise import layerwise_update_
+from strategies.learned import learned_update_
 from strategies.max_ema import max_ema_update_
 from strategies.native import native_update_
 from strategies.norm_ratio import norm_ratio_update_
+from strategies.underflow_target import E_BINS, underflow_target_update_
 from tests.cuda.gradients import make_grads
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
@@ -45,6 +49,32 @@ def _layerwise(rule: str, found: float, cap: bool, bounds: tuple[float | None, f
             rule, 32768.0, 0.9, 2.0, 0.5, 1, True, *bounds, cap)
 
 
+def _amax_history(found: float, most_recent: bool, L: int) -> tuple[Any, ...]:
+    return (torch.tensor(2.0**10), torch.exp2(torch.arange(L, dtype=F32) - 4.0), torch.tensor(found),
+            torch.tensor([0.25, 3.0]), 65504.0 * 2.0**-1, 0.5, most_recent)
+
+
+def _hybrid(probed: bool, scheduled: bool, found: float, zero_jump: float | None) -> tuple[Any, ...]:
+    return (torch.tensor(2.0**12), torch.tensor(2.0**13), torch.tensor(1, dtype=I32), torch.tensor(0, dtype=I32),
+            torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0, dtype=I32), torch.tensor(float("nan")),
+            torch.tensor(0, dtype=I64), torch.tensor(0.0), torch.tensor(0.0), torch.tensor(found),
+            torch.tensor([8.0, 2.0]), torch.tensor(0.5), torch.tensor(256.0), torch.tensor(1.0), probed, scheduled,
+            32768.0, 0.5, 2.0, 0.5, 1, True, True, False, zero_jump, 8.0, 0.125, 0.0)
+
+
+def _learned(found: float, G: float, interval: int) -> tuple[Any, ...]:
+    return (torch.tensor(2.0**10), torch.tensor(0, dtype=I32), torch.tensor(0.5), torch.tensor(2.0),
+            torch.tensor(3, dtype=I32), *(torch.tensor(0.0) for _ in range(4)), torch.tensor(found),
+            torch.tensor([G, G / 4]), torch.tensor(0.25), 32768.0, 2.0, 1.0, 0.5, 0.5, 1e-8, 2.0, 0.5, interval)
+
+
+def _underflow_target(found: float, observed: bool, filled: bool) -> tuple[Any, ...]:
+    hist = torch.zeros(E_BINS)
+    if filled:
+        hist[120:160] = torch.arange(40, dtype=F32)
+    return (torch.tensor(2.0**15), hist, torch.tensor(found), 1e-3, 32768.0, 2.0**-14, 2.0, 0.5, 32, observed)
+
+
 def _stats(dtype: torch.dtype, groups: bool) -> tuple[Any, ...]:
     grads = make_grads([7, 100, 0, 33], dtype, seed=3, specials=("zero", "fp16_min_sub"),
                        layouts=("contiguous", "strided"))
@@ -62,6 +92,14 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "layerwise_update_": [lambda: _layerwise("max_ema", 0.0, False, (None, None)),
                           lambda: _layerwise("max_ema", 1.0, True, (1.0, 2.0**20)),
                           lambda: _layerwise("backoff_growth", 1.0, False, (None, 2.0**18))],
+    "amax_history_update_": [lambda: _amax_history(0.0, False, 4), lambda: _amax_history(0.0, True, 1),
+                             lambda: _amax_history(1.0, False, 3)],
+    "hybrid_update_": [lambda: _hybrid(True, True, 0.0, 0.1), lambda: _hybrid(False, False, 0.0, 0.1),
+                       lambda: _hybrid(True, False, 1.0, None)],
+    "learned_update_": [lambda: _learned(0.0, 8.0, 1), lambda: _learned(1.0, float("inf"), 1),
+                        lambda: _learned(0.0, 0.0, 3)],
+    "underflow_target_update_": [lambda: _underflow_target(0.0, True, True), lambda: _underflow_target(0.0, True, False),
+                                 lambda: _underflow_target(1.0, False, True)],
     "unscale_and_stats": [lambda: _stats(torch.float32, False), lambda: _stats(torch.float16, True),
                           lambda: _stats(torch.bfloat16, True)],
 }
@@ -72,5 +110,9 @@ TWINS: dict[str, Callable[..., None]] = {
     "max_ema_update_": max_ema_update_,
     "norm_ratio_update_": norm_ratio_update_,
     "layerwise_update_": layerwise_update_,
+    "amax_history_update_": amax_history_update_,
+    "hybrid_update_": hybrid_update_,
+    "learned_update_": learned_update_,
+    "underflow_target_update_": underflow_target_update_,
 }
 """update op -> its Python twin (same positional arguments; the oracle of the op)."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from strategies.hybrid import HybridParams, hybrid_update_
+from strategies.hybrid import HybridParams, hybrid_hparams, hybrid_update_
 from tests.helpers import batch, forbid_host_sync, mlp, params_equal
 from tests.strategies.test_norm_ratio import one_thread  # noqa: F401  (autouse: tiny fp16 models, one thread)
 
@@ -28,7 +28,7 @@ def run_rule(rows, S0=4096.0, **kw):
     out = []
     for probed, scheduled, found, G, z, ref, mp in rows:
         args = [torch.tensor(float(x), **f32) for x in (found, G, z, ref, mp)]
-        hybrid_update_(S, e, n, t, c, m, k, r, cal, zprev, zj, *args, probed, scheduled, p)
+        hybrid_update_(S, e, n, t, c, m, k, r, cal, zprev, zj, *args, probed, scheduled, *hybrid_hparams(p))
         out.append((S.item(), e.item(), int(n.item()), zj.item(), int(cal.item()), int(k.item())))
     return out
 

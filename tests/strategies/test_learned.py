@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import strategies
-from strategies.learned import LearnedParams, learned_update_
+from strategies.learned import LearnedParams, learned_hparams, learned_update_
 from tests.strategies.test_hybrid import fp16_run
 from tests.strategies.test_norm_ratio import one_thread  # noqa: F401  (autouse: tiny fp16 models, one thread)
 
@@ -25,7 +25,7 @@ def run_rule(rows, S0=1024.0, tracker=0, **kw):
     out = []
     for found, G, u in rows:
         learned_update_(S, gt, m, v, t, log2s, loss, grad, under, torch.tensor(float(found)),
-                        torch.tensor(float(G)), torch.tensor(float(u)), p)
+                        torch.tensor(float(G)), torch.tensor(float(u)), *learned_hparams(p))
         assert log2s.item() == pytest.approx(math.log2(S.item()), abs=1e-6)
         out.append(dict(S=S.item(), m=m.item(), v=v.item(), t=int(t.item()), tracker=int(gt.item()),
                         grad=grad.item()))
@@ -159,7 +159,7 @@ def test_an_outlier_at_equilibrium_drops_the_scale_and_the_momentum_overshoots_i
         if found:
             found_at.append(k)
         learned_update_(S, gt, *state, torch.tensor(float(found)), torch.tensor(INF if found else G),
-                        torch.tensor(0.0), p)
+                        torch.tensor(0.0), *learned_hparams(p))
         log2s.append(math.log2(S.item()))
     assert log2s[199] == pytest.approx(15.0, abs=1e-3)  # settled
     assert log2s[200] < 14.0  # measured 13.65: the outlier's step is > 1 octave

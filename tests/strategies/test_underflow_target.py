@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from strategies.underflow_target import E_LO, exponent_histogram, underflow_target_update_
+from strategies.underflow_target import E_BINS, E_LO, bin_counts, exponent_histogram, underflow_target_update_
 
 FP16_MIN_NORMAL = 2.0**-14
 
@@ -27,6 +27,23 @@ def place(values: list[float], scale: float = 1.0, found: float = 0.0, target: f
 def test_exponent_histogram_counts_nonzero_finite_entries_by_floor_log2() -> None:
     h = exponent_histogram(torch.tensor([1.0, 1.5, 0.25, -3.0, 0.0, math.inf, math.nan]))
     assert h[0 - E_LO] == 2 and h[-2 - E_LO] == 1 and h[1 - E_LO] == 1 and h.sum() == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sync_free", [False, True], ids=["bincount", "scatter_add"])
+def test_exponent_histogram_equals_frexp_of_the_selected_entries(dtype, sync_free, monkeypatch) -> None:
+    """Both counting paths (CPU bincount; CUDA's sync-free scatter_add_) equal frexp + bincount
+    of the nonzero finite entries selected by boolean indexing, subnormals and specials included."""
+    gen = torch.Generator().manual_seed(5)
+    g = torch.exp2(torch.empty(20000).uniform_(-160, 130, generator=gen)) * torch.randn(20000, generator=gen).sign()
+    u = torch.rand(20000, generator=gen)
+    g[u < 0.1], g[(u >= 0.1) & (u < 0.12)], g[(u >= 0.12) & (u < 0.14)] = 0.0, math.nan, -math.inf
+    g = g.to(dtype)
+    x = g.float()[(g.float() != 0) & torch.isfinite(g.float())]
+    want = torch.bincount(torch.frexp(x)[1].long() - 1 - E_LO, minlength=E_BINS)
+    forced = sync_free
+    monkeypatch.setattr("strategies.underflow_target.bin_counts", lambda idx, sync_free: bin_counts(idx, forced))
+    assert torch.equal(exponent_histogram(g), want) and want.sum() > 1000
 
 
 @pytest.mark.parametrize("values,scale,target,expected", [

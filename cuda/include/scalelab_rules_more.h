@@ -1,0 +1,248 @@
+// scalelab_rules_more.h — the update rules of amax_history, hybrid, learned and underflow_target,
+// as scalar __host__ __device__ functions and functors, in the form of scalelab_rules.h (which
+// includes this file at its end; split only to keep each file under 400 lines). Each mirrors,
+// operation for operation, its strategy module's Python twin (the oracle in tests/cuda):
+//   amax_history      strategies/amax_history.py      amax_history_update_
+//   hybrid            strategies/hybrid.py            hybrid_update_
+//   learned           strategies/learned.py           learned_update_
+//   underflow_target  strategies/underflow_target.py  underflow_target_update_
+// All four run as one thread (n = 1): they reduce over the step's groups (abs-max) or over
+// their own state (the amax history, the exponent histogram) first.
+#pragma once
+
+#include "scalelab_rules.h"
+
+namespace scalelab {
+namespace rules {
+
+// torch.amax over n floats: the largest, NaN if any is NaN (n >= 1).
+SCALELAB_HD float amax_nan(const float* x, int64_t n) {
+  float m = x[0];
+  for (int64_t i = 0; i < n && !is_nan(m); ++i) m = (is_nan(x[i]) || x[i] > m) ? x[i] : m;
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// amax_history: TransformerEngine's delayed scaling on the loss scale.
+//
+//   G = amax(grad_absmax);  finite step: history <- history[1:] + [G]
+//   A = most_recent ? history[-1] : amax(history);   target = float32(scaled_max) / A
+//   S <- found ? float(double(S) * backoff) : (A > 0 && target finite ? target : S)
+// ---------------------------------------------------------------------------------------------
+struct AmaxHistoryParams {
+  float scaled_max;  // float32(format_max * 2^-margin), as torch.tensor(scaled_max, float32)
+  double backoff_factor;
+  bool most_recent;
+};
+
+SCALELAB_HD void amax_history_update(float* scale, float* history, int64_t len, float found_inf, float g,
+                                     const AmaxHistoryParams& p) {
+  const bool found = found_inf > 0.f;
+  if (!found) {
+    for (int64_t i = 0; i + 1 < len; ++i) history[i] = history[i + 1];
+    history[len - 1] = g;
+  }
+  const float amax = p.most_recent ? history[len - 1] : amax_nan(history, len);
+  const float target = rn_div(p.scaled_max, amax);
+  const float s = *scale;
+  if (found) {
+    *scale = static_cast<float>(static_cast<double>(s) * p.backoff_factor);
+  } else if (amax > 0.f && is_finite(target)) {
+    *scale = target;
+  }
+}
+
+struct AmaxHistoryUpdate {
+  float *scale, *history;
+  int64_t len;
+  const float *found_inf, *grad_absmax;
+  int64_t groups;
+  AmaxHistoryParams p;
+  SCALELAB_HD void operator()(int64_t) const {
+    amax_history_update(scale, history, len, *found_inf, amax_nan(grad_absmax, groups), p);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// hybrid: max_ema every step; z jumps when z - z_prev > zero_jump (float32 compare); on a probed
+// step the probe (live: scheduled or jumped) overrides where it acted: S <- round?(S0 * a), the
+// EMA re-seeded there (steps >= 1), calibrations + 1. S0 is the scale before max_ema.
+// ---------------------------------------------------------------------------------------------
+struct HybridParams {
+  MaxEmaParams max_ema;
+  RatioProbeParams probe;  // its ema_decay is hybrid's ratio_ema_decay
+  bool has_zero_jump;
+  float zero_jump;
+};
+
+struct HybridUpdate {
+  float *scale, *ema;
+  int32_t *ema_steps, *growth_tracker;
+  float *candidate, *log_ratio_ema;
+  int32_t* ratio_steps;
+  float* last_ratio;
+  int64_t* calibrations;
+  float *zero_frac_prev, *zero_jumped;
+  const float *found_inf, *grad_absmax;
+  int64_t groups;
+  const float *zero_frac, *ref_sumsq, *mp_sumsq;
+  bool probed, scheduled;
+  HybridParams p;
+
+  SCALELAB_HD void operator()(int64_t) const {
+    const float s0 = *scale, found = *found_inf;
+    max_ema_update(scale, ema, ema_steps, growth_tracker, candidate, found, amax_nan(grad_absmax, groups),
+                   p.max_ema);
+    const float z = *zero_frac;
+    const bool jump = p.has_zero_jump && rn_sub(z, *zero_frac_prev) > p.zero_jump;
+    *zero_frac_prev = z;
+    *zero_jumped = jump ? 1.f : 0.f;
+    if (!probed) return;
+    float moved = s0;
+    const bool acted = ratio_probe(s0, log_ratio_ema, ratio_steps, last_ratio, found, *ref_sumsq, *mp_sumsq,
+                                   scheduled || jump, p.probe, &moved);
+    if (p.max_ema.round_pow2) moved = round_down_pow2(moved);
+    if (acted) {
+      *scale = moved;
+      *ema = moved;
+      if (*ema_steps < 1) *ema_steps = 1;
+      *calibrations += 1;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// learned: Adam on theta = log2 S (strategies/learned.py). log2, exp2, pow and sqrt as the twin
+// computes them: in double from float32, rounded once (scalelab_common.h log2_f / exp2_f / pow_d;
+// sqrt of float32 is exact). Every other op is one float32 rounding with float32-rounded factors.
+// ---------------------------------------------------------------------------------------------
+struct LearnedParams {
+  float log2_target;  // (float) math.log2(target_max)
+  float lam, lam_ln2;  // underflow_weight, (float)(underflow_weight * ln 2)
+  float lr, eps;
+  double beta1, beta2;  // bias corrections in double
+  float b1, one_minus_b1, b2, one_minus_b2;
+  float growth_factor, backoff_factor;
+  int32_t growth_interval;
+};
+
+inline LearnedParams learned_params(double target_max, double underflow_weight, double lr, double beta1, double beta2,
+                                    double eps, double growth_factor, double backoff_factor, int64_t growth_interval) {
+  constexpr double kLn2 = 0.693147180559945309417232121458176568;  // math.log(2.0)
+  return LearnedParams{static_cast<float>(log2(target_max)),
+                       static_cast<float>(underflow_weight),
+                       static_cast<float>(underflow_weight * kLn2),
+                       static_cast<float>(lr),
+                       static_cast<float>(eps),
+                       beta1,
+                       beta2,
+                       static_cast<float>(beta1),
+                       static_cast<float>(1.0 - beta1),
+                       static_cast<float>(beta2),
+                       static_cast<float>(1.0 - beta2),
+                       static_cast<float>(growth_factor),
+                       static_cast<float>(backoff_factor),
+                       static_cast<int32_t>(growth_interval)};
+}
+
+struct LearnedUpdate {
+  float* scale;
+  int32_t* growth_tracker;
+  float *adam_m, *adam_v;
+  int32_t* adam_t;
+  float *log2_scale, *surrogate_loss, *surrogate_grad, *underflow_frac;
+  const float *found_inf, *grad_absmax;
+  int64_t groups;
+  const float* underflow;
+  LearnedParams p;
+
+  SCALELAB_HD void operator()(int64_t) const {
+    const float s = *scale, G = amax_nan(grad_absmax, groups), u = *underflow;
+    const bool found = *found_inf > 0.f;
+    const bool fed = !found && G > 0.f;
+    const float d = rn_sub(rn_add(log2_f(s), log2_f(G)), p.log2_target);
+    const float loss = rn_add(rn_mul(d, d), rn_mul(u, p.lam));
+    const float g = fed ? rn_sub(rn_mul(d, 2.f), rn_mul(u, p.lam_ln2)) : 0.f;
+
+    const float m = rn_add(rn_mul(*adam_m, p.b1), rn_mul(g, p.one_minus_b1));
+    const float v = rn_add(rn_mul(*adam_v, p.b2), rn_mul(rn_mul(g, p.one_minus_b2), g));
+    const int32_t t = *adam_t + 1;
+    const float m_hat = rn_div(m, static_cast<float>(1.0 - pow_d(p.beta1, static_cast<double>(t))));
+    const float v_hat = rn_div(v, static_cast<float>(1.0 - pow_d(p.beta2, static_cast<double>(t))));
+    float delta = rn_div(rn_mul(m_hat, p.lr), rn_add(rn_sqrt(v_hat), p.eps));
+
+    int32_t tracker = *growth_tracker + 1;
+    if (tracker > p.growth_interval) tracker = p.growth_interval;
+    if (found) tracker = 0;
+    const bool may_grow = tracker >= p.growth_interval;
+    if (!may_grow && delta < 0.f) delta = 0.f;  // torch.clamp(min=0): NaN stays NaN
+    const float up = may_grow ? rn_mul(s, p.growth_factor) : s;
+    float next = found ? rn_mul(s, p.backoff_factor) : (fed ? rn_mul(s, exp2_f(-delta)) : up);
+    if (!(is_finite(next) && next > 0.f)) next = s;
+
+    const float nan = bits_float(0x7fc00000u);
+    *adam_m = found ? 0.f : (fed ? m : *adam_m);
+    if (fed) {
+      *adam_v = v;
+      *adam_t = t;
+    }
+    *surrogate_loss = fed ? loss : nan;
+    *surrogate_grad = fed ? g : nan;
+    *underflow_frac = u;
+    *growth_tracker = tracker;
+    *scale = next;
+    *log2_scale = log2_f(next);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// underflow_target: S placed from the exponent histogram h (bin i: exponent kExpLo + i), in double
+// as the twin (exact for integer counts below 2^53):
+//   n = sum h;  j* = max{bin : cdf <= target * n} (kExpLo - 1 if none);  e_max = max{bin : h > 0}
+//   k = clamp(min(e_min - 1 - j*, e_over - e_max), -max_shift, max_shift)
+//   S <- found ? S*backoff : n > 0 ? float(double(S) * 2^k) : observed ? S*growth : S
+//   (kept if not finite or not > 0); h <- 0
+// ---------------------------------------------------------------------------------------------
+struct UnderflowTargetParams {
+  double target;
+  double e_min;   // floor(log2(smallest_normal))
+  double e_over;  // floor(log2(target_max)) - 1
+  double max_shift;
+  float growth_factor, backoff_factor;
+  bool observed;
+};
+
+// The histogram's bins: exponents kExpLo .. kExpLo + kExpBins - 1 (strategies.underflow_target E_LO, E_BINS).
+constexpr int32_t kExpLo = -150;
+constexpr int64_t kExpBins = 280;
+
+struct UnderflowTargetUpdate {
+  float *scale, *hist;
+  const float* found_inf;
+  UnderflowTargetParams p;
+
+  SCALELAB_HD void operator()(int64_t) const {
+    double n = 0.0;
+    for (int64_t i = 0; i < kExpBins; ++i) n += static_cast<double>(hist[i]);
+    const double limit = p.target * n;
+    double cdf = 0.0, j_star = kExpLo - 1.0, e_max = kExpLo;
+    for (int64_t i = 0; i < kExpBins; ++i) {
+      cdf += static_cast<double>(hist[i]);
+      if (cdf <= limit) j_star = static_cast<double>(kExpLo + i);
+      if (hist[i] > 0.f) e_max = static_cast<double>(kExpLo + i);
+      hist[i] = 0.f;
+    }
+    const double k_under = p.e_min - 1.0 - j_star, k_over = p.e_over - e_max;
+    double k = k_under < k_over ? k_under : k_over;
+    k = k < -p.max_shift ? -p.max_shift : (k > p.max_shift ? p.max_shift : k);
+    const float s = *scale;
+    const float placed = static_cast<float>(static_cast<double>(s) * ldexp(1.0, static_cast<int>(k)));
+    const float grown = p.observed ? rn_mul(s, p.growth_factor) : s;
+    float next = *found_inf > 0.f ? rn_mul(s, p.backoff_factor) : (n > 0.0 ? placed : grown);
+    if (!(is_finite(next) && next > 0.f)) next = s;
+    *scale = next;
+  }
+};
+
+}  // namespace rules
+}  // namespace scalelab

@@ -1,0 +1,177 @@
+"""The update ops of amax_history, hybrid, learned and underflow_target (cuda/include/
+scalelab_rules_more.h, the CPU twin of their CUDA kernels) equal their strategies' Python twins,
+bit for bit on every state tensor, over long random trajectories.
+
+learned and hybrid's probe evaluate log2 / exp2 / pow in double and round once to float32 on
+both sides (the twin through torch on float64 tensors, the op through the C library): two double
+results that differ by an ulp round to the same float32 unless they straddle a float32 rounding
+boundary (about 2^-29 per evaluation), so bit equality holds on these fixed seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from strategies.amax_history import amax_history_update_
+from strategies.hybrid import hybrid_update_
+from strategies.learned import learned_update_
+from strategies.underflow_target import E_BINS, E_LO, underflow_target_update_
+from tests.cuda.test_update_ops import STEPS, assert_states_equal, random_absmax
+
+F32, I32, I64 = dict(dtype=torch.float32), dict(dtype=torch.int32), dict(dtype=torch.int64)
+
+
+def step_found(gen: torch.Generator, absmax: torch.Tensor) -> torch.Tensor:
+    """found_inf as the statistics pass gives it (any non-finite abs-max), plus a few overflows
+    that the abs-max does not show (another optimizer's, or a skipped step's)."""
+    return torch.tensor(float((~torch.isfinite(absmax)).any() or torch.rand((), generator=gen) < 0.03))
+
+
+def run_pair(op, twin, state: tuple[torch.Tensor, ...], steps, hyper: tuple) -> tuple[torch.Tensor, ...]:
+    """Run op and twin from the same state over `steps` (argument tuples), compare every step."""
+    ref = tuple(t.clone() for t in state)
+    for i, args in enumerate(steps):
+        op(*state, *args, *hyper)
+        twin(*ref, *args, *hyper)
+        assert_states_equal(i, state, ref)
+    return state
+
+
+AMAX_CASES = [
+    # history_len, most_recent, scaled_max, backoff, groups
+    (1024, False, 65504.0, 0.5, 1),
+    (16, False, 65504.0 * 2.0**-3, 0.7, 3),
+    (1, False, 448.0, 0.5, 1),
+    (8, True, 57344.0, 0.25, 2),
+]
+
+
+def amax_history_trajectory(case):
+    """(state, per-step arguments, hyper-parameters, check of the final state)."""
+    L, recent, scaled_max, backoff, G = case
+    gen = torch.Generator().manual_seed(L + G)
+    steps = []
+    for _ in range(STEPS):
+        absmax = random_absmax(gen, G)
+        steps.append((step_found(gen, absmax), absmax))
+
+    def check(state):
+        assert (state[1] > 0).any() and state[0].item() != 2.0**15, "the history never placed S"
+
+    return (torch.tensor(2.0**15), torch.zeros(L)), steps, (scaled_max, backoff, recent), check
+
+
+HYBRID_CASES = [
+    # round_pow2, cap, zero_jump, ratio_ema_decay, growth, backoff, interval
+    (False, False, 0.1, 0.0, 2.0, 0.5, 1),
+    (True, True, 0.05, 0.5, 2.0, 0.5, 3),
+    (False, True, None, 0.9, 1.5, 0.7, 2),
+]
+
+
+def hybrid_trajectory(case):
+    pow2, cap, zero_jump, ratio_decay, growth, backoff, interval = case
+    gen = torch.Generator().manual_seed(interval)
+    # first: all-zero gradients (EMA not fed) and a calibration that acts, so the re-seed starts the EMA
+    steps, z = [(torch.tensor(0.0), torch.zeros(2), torch.tensor(0.5), torch.tensor(256.0), torch.tensor(1.0),
+                 True, True)], 0.5
+    for _ in range(STEPS):
+        absmax = random_absmax(gen, 2)
+        r = torch.rand(4, generator=gen)
+        z = float(r[0]) if r[1] < 0.2 else min(1.0, max(0.0, z + 0.02 * float(r[2] - 0.5)))
+        ref_ss = torch.exp2(torch.empty(()).uniform_(-40, 40, generator=gen))
+        mp_ss = ref_ss * torch.exp2(torch.randint(-12, 13, (), generator=gen).float())
+        ref_ss = torch.tensor(0.0) if r[3] < 0.03 else ref_ss
+        probed, scheduled = bool(torch.rand((), generator=gen) < 0.6), bool(torch.rand((), generator=gen) < 0.3)
+        steps.append((step_found(gen, absmax), absmax, torch.tensor(z), ref_ss, mp_ss, probed, scheduled))
+    state = (torch.tensor(2.0**15), torch.zeros(()), torch.zeros((), **I32), torch.zeros((), **I32),
+             torch.full((), math.nan), torch.zeros(()), torch.zeros((), **I32), torch.full((), math.nan),
+             torch.zeros((), **I64), torch.ones(()), torch.zeros(()))
+    hyper = (32768.0, 0.9, growth, backoff, interval, pow2, True, cap, zero_jump, 8.0, 0.125, ratio_decay)
+
+    def check(state):
+        assert state[8].item() > 3 and state[6].item() > 10, "no calibration acted"
+
+    return state, steps, hyper, check
+
+
+LEARNED_CASES = [
+    # target_max, underflow_weight, lr, beta1, beta2, eps, growth, backoff, interval
+    (32768.0, 1.0, 1.0, 0.9, 0.999, 1e-8, 2.0, 0.5, 1),
+    (49152.0, 0.3, 0.37, 0.5, 0.5, 1e-3, 1.7, 0.6, 3),
+    (1000.3, 4.0, 3.0, 0.0, 0.9, 1e-8, 2.0, 0.5, 2),
+]
+
+
+def learned_trajectory(case):
+    gen = torch.Generator().manual_seed(int(case[2] * 100))
+    steps = []
+    for _ in range(STEPS):
+        absmax = random_absmax(gen, 2) * 2.0**-20  # around the target at scales 2^0..2^40
+        steps.append((step_found(gen, absmax), absmax, torch.rand((), generator=gen) * 0.5))
+    state = (torch.tensor(2.0**15), torch.zeros((), **I32), torch.zeros(()), torch.zeros(()),
+             torch.zeros((), **I32), *(torch.full((), math.nan) for _ in range(4)))
+
+    def check(state):
+        assert state[4].item() > 100, "Adam was hardly fed"
+
+    return state, steps, case, check
+
+
+UNDERFLOW_CASES = [
+    # target, target_max, smallest_normal, growth, backoff, max_shift, observed, count scale
+    (1e-3, 32768.0, 2.0**-14, 2.0, 0.5, 32, True, 1.0),
+    (0.05, 448.0, 2.0**-6, 2.0, 0.5, 4, True, 2.0**20),
+    (0.0, 65504.0, 1e-5, 1.5, 0.7, 64, False, 3.0),
+]
+
+
+def underflow_target_trajectory(case):
+    """The histogram is state the op clears; each step's arguments carry the counts to load."""
+    *hyper, count_scale = case
+    gen = torch.Generator().manual_seed(int(case[5]))
+    steps = []
+    for _ in range(STEPS):
+        n = int(torch.randint(0, 4000, (), generator=gen)) if torch.rand((), generator=gen) > 0.1 else 0
+        mu, sigma = float(torch.empty(()).uniform_(-40, 10, generator=gen)), float(torch.rand((), generator=gen)) * 8
+        e = (torch.randn(n, generator=gen) * sigma + mu).round().long().clamp(E_LO, E_LO + E_BINS - 1)
+        hist = torch.bincount(e - E_LO, minlength=E_BINS).float() * count_scale
+        steps.append((hist, torch.tensor(float(torch.rand((), generator=gen) < 0.05))))
+
+    def check(state):
+        assert state[0].item() != 2.0**15 and state[1].sum() == 0, "S never placed"
+
+    return (torch.tensor(2.0**15), torch.zeros(E_BINS)), steps, tuple(hyper), check
+
+
+def load_hist(op):
+    """underflow_target's step arguments start with the counts: load them into exp_hist first."""
+    def run(scale, exp_hist, hist, found, *hyper):
+        exp_hist.copy_(hist)
+        op(scale, exp_hist, found, *hyper)
+    return run
+
+
+TRAJECTORIES = {
+    "amax_history_update_": (amax_history_update_, amax_history_trajectory, AMAX_CASES),
+    "hybrid_update_": (hybrid_update_, hybrid_trajectory, HYBRID_CASES),
+    "learned_update_": (learned_update_, learned_trajectory, LEARNED_CASES),
+    "underflow_target_update_": (underflow_target_update_, underflow_target_trajectory, UNDERFLOW_CASES),
+}
+"""op -> (Python twin, trajectory builder, cases); test_gpu_more.py runs the same trajectories."""
+
+CASES = [(op, case) for op, (_, _, cases) in TRAJECTORIES.items() for case in cases]
+
+
+def with_loader(op_name: str, fn):
+    return load_hist(fn) if op_name == "underflow_target_update_" else fn
+
+
+@pytest.mark.parametrize("op_name,case", CASES, ids=[f"{o}-{'-'.join(map(str, c))}" for o, c in CASES])
+def test_update_op_matches_twin(ops, op_name, case):
+    twin, build, _ = TRAJECTORIES[op_name]
+    state, steps, hyper, check = build(case)
+    run_pair(with_loader(op_name, getattr(ops, op_name)), with_loader(op_name, twin), state, steps, hyper)
+    check(state)
