@@ -18,7 +18,7 @@ and versus the plain-torch multi-pass reference ``unscale_and_stats_reference``.
 Everything is measured side by side in one process: each repeat runs every configuration once
 (round robin, so load changes hit all alike), gradients are restored from a master copy outside
 the timed region before every timed call (so repeated unscaling never drifts into subnormals),
-and the table reports medians over the repeats with ratios. Results go to ``--out`` (JSON).
+and the table reports medians over the repeats; each ratio is the median of per-round ratios (rounds in a shuffled order). Results go to ``--out`` (JSON).
 
 Example::
 
@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -130,20 +131,24 @@ def bench_overhead(numel: int, tensors: int, names: list[str], repeats: int, ste
     for n in names:  # warm-up: lazy init, first allocations, kernel build/load
         restore(params, master)
         runners[n]()
-    for _ in range(repeats):
-        for n in names:
+    order = random.Random(0)
+    for _ in range(repeats):  # rounds in a shuffled order: drift and position hit every strategy alike
+        for n in order.sample(names, len(names)):
             per_step = []
             for _ in range(steps):
                 restore(params, master)
                 per_step.append(runners[n]())
             samples[n].append(statistics.median(per_step))
-    base = statistics.median(samples["GradScaler"]) if "GradScaler" in samples else None
     rows = []
     for n in names:
         med = statistics.median(samples[n])
+        # The ratio is the median of per-round ratios (same round, side by side), not a ratio of
+        # medians: a slow round then slows both sides of its own ratio.
+        ratio = (statistics.median(a / b for a, b in zip(samples[n], samples["GradScaler"]))
+                 if "GradScaler" in samples else None)
         rows.append({
             "size": numel, "tensors": tensors, "name": n, "median_ms": med * 1e3,
-            "ratio_vs_gradscaler": None if not base else med / base,
+            "ratio_vs_gradscaler": ratio,
             "samples_ms": [s * 1e3 for s in samples[n]],
         })
     return rows
@@ -188,7 +193,7 @@ def human(n: int) -> str:
 
 def format_tables(overhead: list[dict[str, Any]], stats_rows: list[dict[str, Any]], names: list[str]) -> str:
     lines = ["(a) per-step scaling overhead: scale + unscale_ + step + update (no-op optimizer),",
-             "    median ms; in brackets: ratio to torch.amp.GradScaler", ""]
+             "    median ms; in brackets: median over rounds of the ratio to torch.amp.GradScaler in the same round", ""]
     header = f"{'params':>8} " + " ".join(f"{n:>18}" for n in names)
     lines += [header, "-" * len(header)]
     for size in sorted({r["size"] for r in overhead}):
