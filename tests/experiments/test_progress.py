@@ -55,3 +55,31 @@ def test_the_job_line_names_the_job_and_survives_a_missing_record() -> None:
                                   "status": "completed", "final_eval_loss": 2.41234, "skipped_steps": 2})
     assert line == "[ 3/12] fp16 tiny_grad max_ema seed 4: completed, final eval loss 2.412, 2 skipped | 30s, ETA 1m30s"
     assert job_line(1, 1, 0.0, {}).startswith("[1/1] ? ? ? seed ?: no record, final eval loss n/a")
+
+
+def test_the_sweeper_composes_a_covering_sample_before_launch(monkeypatch) -> None:
+    """hydra_plugins/scalelab_sweeper: every key=value of the grid is composed before launch, in at
+    most as many jobs as the keys have values together, instead of composing all of them."""
+    from hydra_plugins.scalelab_sweeper import GridSweeper, covering
+
+    params, task = CASES[0]
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides([f"{k}={v}" for k, v in params.items()] + task)
+    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    sample = covering(batch)
+    assert {kv for job in sample for kv in job} == {kv for job in batch for kv in job}
+    values = [len({job[i] for job in batch}) for i in range(len(batch[0]))]
+    assert max(values) <= len(sample) <= sum(values) < len(batch) / 5
+    seen = []
+    from hydra.plugins.sweeper import Sweeper  # where Hydra's check is implemented
+
+    monkeypatch.setattr(Sweeper, "validate_batch_is_legal", lambda self, b: seen.append(list(b)))
+    GridSweeper(max_batch_size=None).validate_batch_is_legal(batch)
+    assert seen == [sample]
+    cfg = compose_hydra(["+experiment=compare"])
+    assert cfg.hydra.sweeper._target_ == "hydra_plugins.scalelab_sweeper.GridSweeper"
+
+
+def compose_hydra(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
