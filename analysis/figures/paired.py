@@ -21,7 +21,9 @@ def paired_difference_figures(runs: pd.DataFrame, metric: str = PRIMARY) -> list
         value=lambda d: pd.to_numeric(d[metric], errors="coerce"))
     done = done[np.isfinite(done["value"])]
     out = []
-    for workload, prec in cells(done[done["precision"] != REFERENCE_PRECISION]):
+    # Only cells where native ran (a control cell such as bf16 `none` has nothing to pair with).
+    with_native = done.groupby(["workload", "precision"])["strategy"].transform(lambda s: (s == BASELINE).any())
+    for workload, prec in cells(done[(done["precision"] != REFERENCE_PRECISION) & with_native]):
         cur = done[(done["workload"] == workload) & (done["precision"] == prec)]
         wide = cur.pivot_table(index="seed", columns="strategy", values="value", aggfunc="mean")
         if BASELINE not in wide or wide.shape[1] < 2:

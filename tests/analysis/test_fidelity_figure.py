@@ -38,3 +38,27 @@ def test_no_fidelity_lines_no_figure(sweep):
     assert rs.fidelity.empty
     assert F.fidelity_curve_figures(rs) == []
     assert not [f for f in F.all_figures(rs, rs.runs.iloc[0:0]) if f.name.startswith("fidelity")]
+
+
+def test_every_cell_of_the_default_comparison_gets_its_paired_figure():
+    """Seven cells below fp32 (bf16 controls sort first and have no `native`): none is cut off,
+    and the control cells, with nothing to pair, draw none."""
+    import pandas as pd
+
+    from analysis.figures.paired import paired_difference_figures
+
+    rows = []
+    for regime in ("plain", "spikes", "tiny_grad"):
+        for prec, arms in (("bf16", ["none"]), ("fp16", ["native", "max_ema", "none"]), ("fp32", ["none"])):
+            for strategy in arms:
+                for seed in range(3):
+                    rows.append(dict(workload=f"gpt/c/{regime}", precision=prec, strategy=strategy, seed=seed,
+                                     status="completed", final_eval_loss=3.0 + 0.1 * seed + 0.01 * len(strategy)))
+    for strategy in ("native", "max_ema"):
+        for seed in range(3):
+            rows.append(dict(workload="gpt/c/plain", precision="fp8_e5m2", strategy=strategy, seed=seed,
+                             status="completed", final_eval_loss=3.0 + seed))
+    names = sorted(f.name for f in paired_difference_figures(pd.DataFrame(rows)))
+    assert names == sorted(["paired-gpt-c-plain-fp16", "paired-gpt-c-plain-fp8-e5m2", "paired-gpt-c-spikes-fp16",
+                            "paired-gpt-c-tiny-grad-fp16"])
+    assert F.MAX_PER_KIND >= 7
