@@ -39,7 +39,7 @@ compare: setup ## Run the default comparison sweep on the CPU and write its repo
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
-compare-full: setup ## The larger comparison (every preset, 8 seeds, 3x the steps): runs/compare_full
+compare-full: setup ## The larger comparison (every preset, 8 seeds, twice the steps): runs/compare_full
 	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare

@@ -7,8 +7,8 @@
 * After each job (``on_job_end``, in the worker that ran it): one line —
   ``[ 37/270] fp16 tiny_grad max_ema seed 3: completed, final eval loss 2.412, 0 skipped | 1m12s,
   ETA 3m40s`` — on stderr. Workers are separate processes, so the jobs done are counted from
-  ``<sweep dir>/.progress/done`` (one appended line per finished job; appends of one short line
-  are atomic on a local or NFS file system) and the ETA is the elapsed time per finished job times
+  ``<sweep dir>/.progress/done`` (one appended line per finished job: a job's number is the file
+  offset just past its own append, atomic on a local file system) and the ETA is the elapsed time per finished job times
   the jobs left (two workers finish jobs in parallel, so this already counts in the parallelism).
 
 A single run (no ``-m``) prints nothing here: it has its own progress bar (``train.progress``).
@@ -106,11 +106,15 @@ class SweepProgress(Callback):
             fd = os.open(folder / DONE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, b"1\n")
+                # This job's own position: the offset just past its append (a later read of the file
+                # could count another worker's append too, and two jobs would print one number).
+                done = os.lseek(fd, 0, os.SEEK_CUR) // 2
             finally:
                 os.close(fd)
-            done = (folder / DONE).read_bytes().count(b"\n")
         except OSError:
             done = 0
         total = int(start.get("total", 0)) or done
         elapsed = time.time() - float(start.get("start", time.time()))
-        print(job_line(done, max(total, done), elapsed, summary), file=sys.stderr, flush=True)
+        line = job_line(done, max(total, done), elapsed, summary) + "\n"
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), line.encode())  # one write: workers' lines never interleave
