@@ -15,6 +15,7 @@
 //   hybrid_update_            strategies.hybrid.hybrid_update_
 //   learned_update_           strategies.learned.learned_update_
 //   underflow_target_update_  strategies.underflow_target.underflow_target_update_
+//   tolerance_update_         strategies.tolerance.tolerance_update_
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
@@ -75,4 +76,9 @@ TORCH_LIBRARY(scalelab, m) {
       "underflow_target_update_(Tensor(a!) scale, Tensor(b!) exp_hist, Tensor found_inf, float target, "
       "float target_max, float smallest_normal, float growth_factor, float backoff_factor, int max_shift, "
       "bool observed) -> ()");
+  // tolerance: fairseq's DynamicLossScaler; scalar state, fault (int64) only with on_min_scale="raise".
+  m.def(
+      "tolerance_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) since_rescale, "
+      "Tensor(d!) overflows, Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
+      "float tolerance, float? threshold, Tensor(e!)? fault=None, float? min_scale=None, int step=0) -> ()");
 }

@@ -280,6 +280,37 @@ void underflow_target_update_op(at::Tensor& scale, at::Tensor& exp_hist, const a
   run(d, f, 1, "underflow_target_update_");
 }
 
+// fault: int64 [1] with on_min_scale="raise" (an overflow to S <= min_scale restores S and records
+// `step`), else None.
+void tolerance_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& since_rescale,
+                         at::Tensor& overflows, const at::Tensor& found_inf, double growth_factor,
+                         double backoff_factor, int64_t growth_interval, double tolerance,
+                         std::optional<double> threshold, const std::optional<at::Tensor>& fault,
+                         std::optional<double> min_scale, int64_t step) {
+  const at::Device d = scale.device();
+  check_scalars({{&scale, "scale"}, {&found_inf, "found_inf"}}, d, at::kFloat);
+  check(growth_tracker, d, at::kInt, "growth_tracker", 1);
+  check_scalars({{&since_rescale, "since_rescale"}, {&overflows, "overflows"}}, d, at::kLong);
+  if (fault.has_value()) check(*fault, d, at::kLong, "fault", 1);
+  const rules::ToleranceParams p{growth_factor,
+                                 backoff_factor,
+                                 growth_interval,
+                                 tolerance,
+                                 threshold.has_value(),
+                                 static_cast<float>(threshold.value_or(0.0)),
+                                 fault.has_value() && min_scale.has_value(),
+                                 static_cast<float>(min_scale.value_or(0.0)),
+                                 step};
+  const rules::ToleranceUpdate f{scale.data_ptr<float>(),
+                                 growth_tracker.data_ptr<int32_t>(),
+                                 since_rescale.data_ptr<int64_t>(),
+                                 overflows.data_ptr<int64_t>(),
+                                 found_inf.const_data_ptr<float>(),
+                                 fault.has_value() ? fault->data_ptr<int64_t>() : nullptr,
+                                 p};
+  run(d, f, 1, "tolerance_update_");
+}
+
 void register_update_ops(torch::Library& m) {
   m.impl("native_update_", &native_update_op);
   m.impl("max_ema_update_", &max_ema_update_op);
@@ -289,6 +320,7 @@ void register_update_ops(torch::Library& m) {
   m.impl("hybrid_update_", &hybrid_update_op);
   m.impl("learned_update_", &learned_update_op);
   m.impl("underflow_target_update_", &underflow_target_update_op);
+  m.impl("tolerance_update_", &tolerance_update_op);
 }
 
 }  // namespace

@@ -15,7 +15,7 @@
 //   norm_ratio  strategies/norm_ratio.py
 //   layerwise   strategies/layerwise.py (per group)
 // and, in scalelab_rules_more.h (included at the end): amax_history, hybrid, learned,
-// underflow_target.
+// underflow_target, tolerance.
 #pragma once
 
 #include "scalelab_common.h"

@@ -44,6 +44,7 @@ template cudaError_t launch_rule<rules::HybridUpdate>(const rules::HybridUpdate&
 template cudaError_t launch_rule<rules::LearnedUpdate>(const rules::LearnedUpdate&, int64_t, cudaStream_t);
 template cudaError_t launch_rule<rules::UnderflowTargetUpdate>(const rules::UnderflowTargetUpdate&, int64_t,
                                                                cudaStream_t);
+template cudaError_t launch_rule<rules::ToleranceUpdate>(const rules::ToleranceUpdate&, int64_t, cudaStream_t);
 
 }  // namespace cuda
 }  // namespace scalelab

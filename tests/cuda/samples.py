@@ -15,6 +15,7 @@ from strategies.learned import learned_update_
 from strategies.max_ema import max_ema_update_
 from strategies.native import native_update_
 from strategies.norm_ratio import norm_ratio_update_
+from strategies.tolerance import tolerance_update_
 from strategies.underflow_target import E_BINS, underflow_target_update_
 from tests.cuda.gradients import make_grads
 
@@ -75,6 +76,13 @@ def _underflow_target(found: float, observed: bool, filled: bool) -> tuple[Any, 
     return (torch.tensor(2.0**15), hist, torch.tensor(found), 1e-3, 32768.0, 2.0**-14, 2.0, 0.5, 32, observed)
 
 
+def _tolerance(found: float, tolerance: float, threshold: float | None, raise_: bool) -> tuple[Any, ...]:
+    """S = 2^14, t = interval - 1 (a clean step grows), r = 2, o = 0 (an overflow is 1/2 of r)."""
+    fault = torch.tensor(0, dtype=I64) if raise_ else None
+    return (torch.tensor(2.0**14), torch.tensor(2, dtype=I32), torch.tensor(2, dtype=I64), torch.tensor(0, dtype=I64),
+            torch.tensor(found), 2.0, 0.5, 3, tolerance, threshold, fault, 2.0**13 if raise_ else 1e-4, 7)
+
+
 def _stats(dtype: torch.dtype, groups: bool) -> tuple[Any, ...]:
     grads = make_grads([7, 100, 0, 33], dtype, seed=3, specials=("zero", "fp16_min_sub"),
                        layouts=("contiguous", "strided"))
@@ -100,6 +108,8 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                         lambda: _learned(0.0, 0.0, 3)],
     "underflow_target_update_": [lambda: _underflow_target(0.0, True, True), lambda: _underflow_target(0.0, True, False),
                                  lambda: _underflow_target(1.0, False, True)],
+    "tolerance_update_": [lambda: _tolerance(0.0, 0.0, None, False), lambda: _tolerance(1.0, 0.25, 2.0**13.5, False),
+                          lambda: _tolerance(1.0, 0.5, None, True)],
     "unscale_and_stats": [lambda: _stats(torch.float32, False), lambda: _stats(torch.float16, True),
                           lambda: _stats(torch.bfloat16, True)],
 }
@@ -114,5 +124,6 @@ TWINS: dict[str, Callable[..., None]] = {
     "hybrid_update_": hybrid_update_,
     "learned_update_": learned_update_,
     "underflow_target_update_": underflow_target_update_,
+    "tolerance_update_": tolerance_update_,
 }
 """update op -> its Python twin (same positional arguments; the oracle of the op)."""

@@ -1,4 +1,4 @@
-"""The update ops of amax_history, hybrid, learned and underflow_target (cuda/include/
+"""The update ops of amax_history, hybrid, learned, underflow_target and tolerance (cuda/include/
 scalelab_rules_more.h, the CPU twin of their CUDA kernels) equal their strategies' Python twins,
 bit for bit on every state tensor, over long random trajectories.
 
@@ -17,6 +17,7 @@ import torch
 from strategies.amax_history import amax_history_update_
 from strategies.hybrid import hybrid_update_
 from strategies.learned import learned_update_
+from strategies.tolerance import tolerance_update_
 from strategies.underflow_target import E_BINS, E_LO, underflow_target_update_
 from tests.cuda.test_update_ops import STEPS, assert_states_equal, random_absmax
 
@@ -154,11 +155,55 @@ def load_hist(op):
     return run
 
 
+TOLERANCE_CASES = [
+    # tolerance, threshold, on_min_scale (None: no floor, clamp: min_scale given, no fault), min_scale,
+    # growth, backoff, interval, initial S
+    (0.0, None, None, None, 2.0, 0.5, 3, 2.0**15),
+    (0.25, 2.0**7.5, "clamp", 2.0**9, 2.0, 0.5, 16, 2.0**10),
+    (1.0, None, "raise", 2.0**8, 2.0, 0.5, 2, 2.0**10),
+    (0.25, None, "raise", 1e-4, 1.7, 0.6, 1, 2.0**120),
+    (0.5, 3.1, None, 1e-4, 2.0, 0.5, 5, 2.0**6),
+]
+
+
+def tolerance_trajectory(case):
+    """Overflow rate switching every 40 steps among 0.02, 0.3 and 0.8, so the fraction o / r
+    crosses every tolerance; interval 1 from 2^120 reaches a non-finite grown S (kept)."""
+    tol, threshold, floor, min_scale, growth, backoff, interval, s0 = case
+    gen = torch.Generator().manual_seed(int(tol * 100) + interval)
+    steps, rate = [], 0.02
+    for i in range(STEPS):
+        if i % 40 == 0:
+            rate = (0.02, 0.3, 0.8)[int(torch.randint(0, 3, (), generator=gen))]
+        steps.append((torch.tensor(float(torch.rand((), generator=gen) < rate)), i + 1))
+    state = (torch.tensor(s0), torch.zeros((), **I32), torch.ones((), **I64), torch.zeros((), **I64),
+             torch.zeros((), **I64))
+    hyper = (growth, backoff, interval, tol, threshold, floor == "raise", min_scale)
+
+    def check(state):
+        assert state[0].item() != s0, "S never moved"
+        if floor == "raise" and min_scale > 1.0:
+            assert state[4].item() > 0, "the floor never faulted"
+
+    return state, steps, hyper, check
+
+
+def fault_state(op):
+    """tolerance's fault is state (cloned and compared) but sits among the hyper-parameters, and
+    each step passes its number: (state..., fault, found, step, hyper..., raise, min_scale)."""
+    def run(scale, tracker, since, overflows, fault, found, step, growth, backoff, interval, tol, threshold,
+            raise_, min_scale):
+        op(scale, tracker, since, overflows, found, growth, backoff, interval, tol, threshold,
+           fault if raise_ else None, min_scale, step)
+    return run
+
+
 TRAJECTORIES = {
     "amax_history_update_": (amax_history_update_, amax_history_trajectory, AMAX_CASES),
     "hybrid_update_": (hybrid_update_, hybrid_trajectory, HYBRID_CASES),
     "learned_update_": (learned_update_, learned_trajectory, LEARNED_CASES),
     "underflow_target_update_": (underflow_target_update_, underflow_target_trajectory, UNDERFLOW_CASES),
+    "tolerance_update_": (tolerance_update_, tolerance_trajectory, TOLERANCE_CASES),
 }
 """op -> (Python twin, trajectory builder, cases); test_gpu_more.py runs the same trajectories."""
 
@@ -166,7 +211,7 @@ CASES = [(op, case) for op, (_, _, cases) in TRAJECTORIES.items() for case in ca
 
 
 def with_loader(op_name: str, fn):
-    return load_hist(fn) if op_name == "underflow_target_update_" else fn
+    return {"underflow_target_update_": load_hist, "tolerance_update_": fault_state}.get(op_name, lambda f: f)(fn)
 
 
 @pytest.mark.parametrize("op_name,case", CASES, ids=[f"{o}-{'-'.join(map(str, c))}" for o, c in CASES])
