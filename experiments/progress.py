@@ -29,6 +29,9 @@ from hydra.core.override_parser.types import Glob
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.records import read_json
+from experiments.schema import SUMMARY_NAME
+
 START, DONE = "start.json", "done"
 
 
@@ -67,14 +70,6 @@ def job_line(done: int, total: int, elapsed: float, summary: dict[str, Any]) -> 
             f"ETA {clock(eta) if math.isfinite(eta) else '?'}")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 class SweepProgress(Callback):
     """See the module docstring."""
 
@@ -100,8 +95,8 @@ class SweepProgress(Callback):
         if hydra_cfg is None or "MULTIRUN" not in str(hydra_cfg.hydra.mode):
             return
         folder = Path(str(hydra_cfg.hydra.sweep.dir)) / ".progress"
-        start = _read_json(folder / START)
-        summary = _read_json(Path(str(hydra_cfg.hydra.runtime.output_dir)) / "summary.json")
+        start = read_json(folder / START)
+        summary = read_json(Path(str(hydra_cfg.hydra.runtime.output_dir)) / SUMMARY_NAME)
         try:
             fd = os.open(folder / DONE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
