@@ -81,10 +81,7 @@ class SweepProgress(Callback):
         params = config.hydra.sweeper.get("params") or {}
         params = OmegaConf.to_container(params, resolve=False) if isinstance(params, DictConfig) else dict(params)
         total = count_jobs({str(k): str(v) for k, v in params.items()}, list(config.hydra.overrides.task))
-        if not kernels.build_directory().exists():
-            print("scalelab-train: building the kernel extension once before the workers start (~1 min)",
-                  file=sys.stderr, flush=True)
-        kernels.load()
+        kernels.load()  # says itself when it builds (strategies/kernels.py)
         (folder / DONE).unlink(missing_ok=True)  # a re-run counts its own jobs (finished ones return at once)
         (folder / START).write_text(json.dumps({"total": total, "start": time.time()}))
         print(f"scalelab-train: {total} jobs into {config.hydra.sweep.dir}; one line per finished job",

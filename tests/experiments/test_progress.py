@@ -26,12 +26,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("params,task", CASES)
-def test_the_count_is_the_basic_sweepers(params: dict, task: list[str]) -> None:
+def _jobs(params: dict, task: list[str]) -> list[list[str]]:
+    """The jobs Hydra's basic sweeper makes (its own parser, with a config loader for globs)."""
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
     parsed = OverridesParser.create(config_loader=loader).parse_overrides([f"{k}={v}" for k, v in params.items()] + task)
-    jobs = BasicSweeper.split_arguments(parsed, None)[0]
-    assert count_jobs(params, task) == len(jobs) > 1
+    (jobs,) = BasicSweeper.split_arguments(parsed, None)
+    return jobs
+
+
+@pytest.mark.parametrize("params,task", CASES)
+def test_the_count_is_the_basic_sweepers(params: dict, task: list[str]) -> None:
+    assert count_jobs(params, task) == len(_jobs(params, task)) > 1
 
 
 def test_the_kernels_are_built_before_the_workers(tmp_path: Path, monkeypatch) -> None:
@@ -39,8 +44,7 @@ def test_the_kernels_are_built_before_the_workers(tmp_path: Path, monkeypatch) -
 
     calls = []
     monkeypatch.setattr(kernels, "load", lambda: calls.append("load") or True)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=compare", f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+    cfg = compose_hydra(["+experiment=compare", f"hydra.sweep.dir={tmp_path}"])
     (tmp_path / ".progress").mkdir()
     (tmp_path / ".progress" / "done").write_text("1\n1\n")  # a previous attempt's count
     SweepProgress().on_multirun_start(cfg)
@@ -63,9 +67,7 @@ def test_the_sweeper_composes_a_covering_sample_before_launch(monkeypatch) -> No
     from hydra_plugins.scalelab_sweeper import GridSweeper, covering
 
     params, task = CASES[0]
-    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides([f"{k}={v}" for k, v in params.items()] + task)
-    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    batch = _jobs(params, task)
     sample = covering(batch)
     assert {kv for job in sample for kv in job} == {kv for job in batch for kv in job}
     values = [len({job[i] for job in batch}) for i in range(len(batch[0]))]
