@@ -16,6 +16,8 @@
 //   learned_update_           strategies.learned.learned_update_
 //   underflow_target_update_  strategies.underflow_target.underflow_target_update_
 //   tolerance_update_         strategies.tolerance.tolerance_update_
+//   record_step_              strategies.state.record_step_ (every rule's update ends with it)
+// and count_fraction (strategies.stats.count_fraction: a zero or underflow fraction).
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
@@ -81,4 +83,10 @@ TORCH_LIBRARY(scalelab, m) {
       "tolerance_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) since_rescale, "
       "Tensor(d!) overflows, Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "float tolerance, float? threshold, Tensor(e!)? fault=None, float? min_scale=None, int step=0) -> ()");
+  // record_step: every rule's epilogue (clamp S, count a skipped step, remember found_inf).
+  m.def(
+      "record_step_(Tensor(a!) scale, Tensor(b!) skipped_steps, Tensor(c!) found_state, Tensor found_inf, "
+      "float? min_scale, float? max_scale) -> ()");
+  // The fraction of a step's entries counted in counts (+ more): one op instead of six per step.
+  m.def("count_fraction(Tensor numel, Tensor counts, Tensor? more=None) -> Tensor");
 }

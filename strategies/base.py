@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
+from strategies import kernels
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams
 from strategies.state import (RuleState, ScaleFloorError, State, base_state, from_state_dict, raise_fault,
-                              telemetry_of, to_state_dict)
+                              record_step_, telemetry_of, to_state_dict)
 from strategies.stats import GradStats, all_reduce_, gather
 
 
@@ -304,7 +305,8 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             state.set_scale_(new_scale)
             state.scale.copy_(self._round(state.scale))
         else:
-            found = [t.to(state.scale.device, non_blocking=True)
+            dev = state.scale.device
+            found = [t if t.device == dev else t.to(dev, non_blocking=True)
                      for st in self._per_optimizer_states.values() for t in st["found_inf_per_device"].values()]
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
@@ -318,11 +320,8 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
                 all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "sum"], "sum")
                 all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "max"], "max")
             self.update_(found_inf, stats)
-            if self.params.min_scale is not None or self.params.max_scale is not None:
-                state.scale.clamp_(min=self.params.min_scale, max=self.params.max_scale)
-            skipped = found_inf > 0
-            state.skipped_steps.add_(skipped.to(torch.int64))
-            state.found_inf.copy_(skipped)
+            kernels.dispatch("record_step_", record_step_, state.scale, state.skipped_steps, state.found_inf,
+                             found_inf, self.params.min_scale, self.params.max_scale)
             if stats is not None:
                 self._last_stats = stats
         self.updates += 1

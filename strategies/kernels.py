@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import threading
 import warnings
@@ -202,11 +203,23 @@ def _register_fakes() -> None:
         return (*f, *i)
 
     def update_fake(*args: Any) -> None:
+        # Runs for meta tensors too: a real tensor among them means mixed devices, which the real
+        # op refuses with this message (dispatch then runs the Python twin).
+        ts = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(t.device.type == "meta" for t in ts) and any(
+                type(t) is torch.Tensor and t.device.type != "meta" for t in ts):
+            other = next(t for t in ts[1:] if t.device != ts[0].device)
+            raise RuntimeError(f"scalelab: tensor is on {other.device} but the scale is on {ts[0].device}")
         return None
+
+    def count_fraction_fake(numel: torch.Tensor, counts: torch.Tensor, more: torch.Tensor | None = None) -> torch.Tensor:
+        return numel.new_empty((), dtype=torch.float32)
 
     for name in op_names():
         if name == "unscale_and_stats":
             torch.library.register_fake("scalelab::unscale_and_stats", unscale_and_stats_fake)
+        elif name == "count_fraction":
+            torch.library.register_fake("scalelab::count_fraction", count_fraction_fake)
         elif not getattr(torch.ops.scalelab, name).default._schema.returns:
             torch.library.register_fake(f"scalelab::{name}", update_fake)
         else:
@@ -272,20 +285,37 @@ def unscale_and_stats(
 _DECLINED = ("must be float32, float16 or bfloat16", "every gradient must be on")
 
 
-def _update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether ``torch.ops.scalelab.<op>`` can run on these state/statistics tensors."""
-    if not load():
-        return False
+_OP_ON: dict[tuple[str, str], bool] = {}
+"""(op, device type) -> whether ``torch.ops.scalelab.<op>`` has an implementation there (cached:
+a rule asks every step)."""
+
+
+def _op_on(op: str, device_type: str) -> bool:
+    key = (op, device_type)
+    known = _OP_ON.get(key)
+    if known is None:
+        known = bool((_loaded or load()) and hasattr(torch.ops.scalelab, op)) and (
+            device_type == "cpu"
+            or (device_type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(f"scalelab::{op}", "CUDA")))
+        if _loaded is not None:  # decided: the extension was tried
+            _OP_ON[key] = known
+    return known
+
+
+def update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``torch.ops.scalelab.<op>`` can run on these state/statistics tensors: one device
+    with an implementation, contiguous float32/int32/int64 (a loop over them: for callers that
+    hold a few tensors; :func:`dispatch` lets the op check instead)."""
     dev = tensors[0].device
-    if dev.type == "cuda":
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"scalelab::{op}", "CUDA"):
-            return False
-    elif dev.type != "cpu":
+    if not _op_on(op, dev.type):
         return False
-    for t in tensors:
-        if t.device != dev or not t.is_contiguous() or t.dtype not in (torch.float32, torch.int32, torch.int64):
-            return False
-    return True
+    return all(t.device == dev and t.is_contiguous() and t.dtype in _RULE_DTYPES for t in tensors)
+
+
+_RULE_DTYPES = (torch.float32, torch.int32, torch.int64)
+_FOREIGN = re.compile(r"^scalelab: \w+ (is on \S+ but the scale is on|must be contiguous|must be (Float|Int|Long), got)")
+"""The op's own messages (cuda/cpu/update_cpu.cpp ``check``) for a tensor it does not take, checked
+before it writes anything: dispatch then runs the Python twin instead."""
 
 
 def f32_of_double(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -306,8 +336,14 @@ def dispatch(op: str, twin: Callable[..., Any], *args: Any) -> None:
     and nothing else; adding a kernel for a rule touches the rule header, the CPU twin, the ``.cu``
     and the op registration only (recipe: ``cuda/README.md``).
     """
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if tensors and _update_applies(op, tensors) and hasattr(torch.ops.scalelab, op):
-        getattr(torch.ops.scalelab, op)(*args)
-    else:
-        twin(*args)
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None  # every op starts with the scale
+    if first is not None and _op_on(op, first.device.type):
+        # The op checks device, dtype and contiguity of every tensor before it writes anything (a
+        # Python loop over them here cost more than the op); one it does not take is declined.
+        try:
+            getattr(torch.ops.scalelab, op)(*args)
+            return
+        except RuntimeError as exc:
+            if not _FOREIGN.match(str(exc)):
+                raise
+    twin(*args)

@@ -371,5 +371,6 @@ class LayerwiseStrategy(Strategy):
                              stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,
                              p.growth_factor, p.backoff_factor, p.growth_interval, p.zero_grads == "grow", lo, hi,
                              p.cap_ema_on_overflow)
-        s.contaminated.zero_()
-        s.emitted.zero_()
+        if self._handle is not None:  # only the boundary hooks write them
+            s.contaminated.zero_()
+            s.emitted.zero_()

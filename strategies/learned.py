@@ -191,7 +191,7 @@ class LearnedStrategy(Strategy):
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
         s = self.state
-        u = stats.fraction(stats.zeros + stats.subnormals)
+        u = stats.fraction(stats.zeros, stats.subnormals)
         kernels.dispatch("learned_update_", learned_update_, s.scale, s.growth_tracker, s.adam_m, s.adam_v,
                          s.adam_t, s.log2_scale, s.surrogate_loss, s.surrogate_grad, s.underflow_frac, found_inf,
                          stats.absmax, u, *learned_hparams(self.params))

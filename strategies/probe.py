@@ -253,7 +253,9 @@ class ReferenceProbe:
         (host bool) is whether a reference ran; the two float32 sums (0 when not probed) are
         reduced over ranks like the statistics, so every rank takes the same decision."""
         dev = self.state.scale.device
-        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        zero = getattr(self, "_zero_sum", None)
+        if zero is None or zero.device != dev:  # one read-only zero, not a new tensor every step
+            zero = self._zero_sum = torch.zeros((), dtype=torch.float32, device=dev)
         probed = self._probe_step == self.updates and self._ref_sumsq is not None
         ref = self._ref_sumsq.float() if probed else zero
         mp = self._mp_sumsq.float() if probed and self._mp_sumsq is not None else zero

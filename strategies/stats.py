@@ -95,11 +95,11 @@ class GradStats:
         p, s = peak.split(g), summed.split(g)
         return GradStats(p[0], p[1], s[0].float(), s[1].long(), s[2].long(), s[3].long())
 
-    def fraction(self, counts: torch.Tensor) -> torch.Tensor:
-        """``sum(counts) / sum(numel)`` over the groups as a float32 scalar (0 without entries),
-        divided in double: the zero or underflow fraction of the whole step, in three small ops
-        (a rule's per-step cost; :meth:`total` reduces every field)."""
-        return (counts.sum() / self.numel.sum().clamp(min=1).double()).float()
+    def fraction(self, counts: torch.Tensor, more: torch.Tensor | None = None) -> torch.Tensor:
+        """``(sum(counts) + sum(more)) / sum(numel)`` over the groups as a float32 scalar (0
+        without entries), divided in double: the zero or underflow fraction of the whole step
+        (:func:`count_fraction`; :meth:`total` reduces every field)."""
+        return count_fraction(self.numel, counts, more)
 
     def total(self) -> "GradStats":
         """Reduce over groups: every field becomes shape ``[1]``."""
@@ -111,6 +111,22 @@ class GradStats:
             self.subnormals.sum(0, keepdim=True),
             self.numel.sum(0, keepdim=True),
         )
+
+
+def count_fraction_reference(numel: torch.Tensor, counts: torch.Tensor, more: torch.Tensor | None = None) -> torch.Tensor:
+    """``(sum(counts) + sum(more)) / max(sum(numel), 1)``, the sums in int64, divided in double
+    and rounded once to float32: the oracle of ``torch.ops.scalelab.count_fraction``."""
+    c = counts.sum() if more is None else (counts + more).sum()
+    return (c / numel.sum().clamp(min=1).double()).float()
+
+
+def count_fraction(numel: torch.Tensor, counts: torch.Tensor, more: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`count_fraction_reference`, as one op when the extension is built (a rule pays it every
+    step: one op instead of six)."""
+    tensors = (numel, counts) if more is None else (numel, counts, more)
+    if kernels.update_applies("count_fraction", tensors):
+        return torch.ops.scalelab.count_fraction(numel, counts, more)
+    return count_fraction_reference(numel, counts, more)
 
 
 def grads_by_device(
@@ -306,8 +322,11 @@ def gather(
         if with_stats:
             index = group_index(params[device]) if group_index is not None else None
             st = unscale_and_stats(gs, inv, index, num_groups)
-            found[device] = st.found_inf.amax()
-            st = st.to(scale.device)
+            # one group: a view of its flag, not a reduction (every op here runs after the pass
+            # has evicted the caches, so each costs several microseconds on a large model)
+            found[device] = st.found_inf.view(()) if num_groups == 1 else st.found_inf.amax()
+            if device != scale.device:
+                st = st.to(scale.device)
             total = st if total is None else total.combine(st)
         else:
             f = torch.zeros((), dtype=torch.float32, device=device)

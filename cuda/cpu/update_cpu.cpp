@@ -311,6 +311,39 @@ void tolerance_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tens
   run(d, f, 1, "tolerance_update_");
 }
 
+// Every strategy's update ends here: clamp the scale(s), count a skipped step, remember found_inf.
+void record_step_op(at::Tensor& scale, at::Tensor& skipped_steps, at::Tensor& found_state, const at::Tensor& found_inf,
+                    std::optional<double> min_scale, std::optional<double> max_scale) {
+  const at::Device d = scale.device();
+  TORCH_CHECK(scale.numel() >= 1, "scalelab::record_step_: scale must have at least one element");
+  check(scale, d, at::kFloat, "scale", scale.numel());
+  check(skipped_steps, d, at::kLong, "skipped_steps", 1);
+  check(found_state, d, at::kFloat, "found_state", 1);
+  check(found_inf, d, at::kFloat, "found_inf", 1);
+  const rules::RecordStepParams p{min_scale.has_value(), max_scale.has_value(),
+                                  static_cast<float>(min_scale.value_or(0.0)),
+                                  static_cast<float>(max_scale.value_or(0.0))};
+  const rules::RecordStep f{scale.data_ptr<float>(), skipped_steps.data_ptr<int64_t>(), found_state.data_ptr<float>(),
+                            found_inf.const_data_ptr<float>(), p};
+  run(d, f, scale.numel(), "record_step_");
+}
+
+// (sum(counts) + sum(more)) / max(sum(numel), 1) over the groups, float32 scalar (GradStats.fraction).
+at::Tensor count_fraction_op(const at::Tensor& numel, const at::Tensor& counts, const std::optional<at::Tensor>& more) {
+  const at::Device d = numel.device();
+  const int64_t G = numel.numel();
+  TORCH_CHECK(G >= 1, "scalelab::count_fraction: numel must have at least one element");
+  check(numel, d, at::kLong, "numel", G);
+  check(counts, d, at::kLong, "counts", G);
+  if (more.has_value()) check(*more, d, at::kLong, "more", G);
+  at::Tensor out = at::empty({}, numel.options().dtype(at::kFloat));
+  const rules::CountFraction f{numel.const_data_ptr<int64_t>(), counts.const_data_ptr<int64_t>(),
+                               more.has_value() ? more->const_data_ptr<int64_t>() : nullptr, G,
+                               out.data_ptr<float>()};
+  run(d, f, 1, "count_fraction");
+  return out;
+}
+
 void register_update_ops(torch::Library& m) {
   m.impl("native_update_", &native_update_op);
   m.impl("max_ema_update_", &max_ema_update_op);
@@ -321,6 +354,8 @@ void register_update_ops(torch::Library& m) {
   m.impl("learned_update_", &learned_update_op);
   m.impl("underflow_target_update_", &underflow_target_update_op);
   m.impl("tolerance_update_", &tolerance_update_op);
+  m.impl("record_step_", &record_step_op);
+  m.impl("count_fraction", &count_fraction_op);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 //   learned           strategies/learned.py           learned_update_
 //   underflow_target  strategies/underflow_target.py  underflow_target_update_
 //   tolerance         strategies/tolerance.py         tolerance_update_
+//   record_step       strategies/state.py             record_step_ (every rule's epilogue)
 // All five run as one thread (n = 1): the first four reduce over the step's groups (abs-max) or
 // over their own state (the amax history, the exponent histogram) first; tolerance's state is scalar.
 #pragma once
@@ -294,6 +295,55 @@ struct ToleranceUpdate {
     *since_rescale = (back || grow) ? 1 : static_cast<int64_t>(static_cast<uint64_t>(*since_rescale) + 1u);
     *overflows = back ? 0 : (found ? o1 : o);
   }
+};
+
+// ---------------------------------------------------------------------------------------------
+// record_step: the end of every strategy's update (strategies/state.py record_step_), one op
+// instead of four small ones per step:
+//   S[g] <- clamp(S[g], min_scale, max_scale) where given (torch clamp_: NaN stays NaN)
+//   skipped <- found_inf > 0;  skipped_steps += skipped;  found_state <- float(skipped)
+// One item per scale entry (n = G); item 0 also records the skip.
+// ---------------------------------------------------------------------------------------------
+struct RecordStepParams {
+  bool has_min, has_max;
+  float min_scale, max_scale;  // float32(bound), as clamp_ casts a Python float
+};
+
+struct RecordStep {
+  float* scale;
+  int64_t* skipped_steps;
+  float* found_state;
+  const float* found_inf;
+  RecordStepParams p;
+  SCALELAB_HD void operator()(int64_t g) const {
+    float s = scale[g];
+    if (p.has_min && s < p.min_scale) s = p.min_scale;
+    if (p.has_max && s > p.max_scale) s = p.max_scale;
+    scale[g] = s;
+    if (g == 0) {
+      const bool skipped = *found_inf > 0.f;
+      *skipped_steps += skipped ? 1 : 0;
+      *found_state = skipped ? 1.f : 0.f;
+    }
+  }
+};
+
+// The fraction of a step's gradient entries counted in `a` (+ `b` when given), over groups:
+// sum / max(sum numel, 1) in double, rounded once to float (GradStats.fraction).
+SCALELAB_HD float count_fraction(const int64_t* a, const int64_t* b, const int64_t* numel, int64_t groups) {
+  int64_t c = 0, n = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    c += a[g] + (b != nullptr ? b[g] : 0);
+    n += numel[g];
+  }
+  return static_cast<float>(static_cast<double>(c) / static_cast<double>(n > 1 ? n : 1));
+}
+
+struct CountFraction {
+  const int64_t *numel, *a, *b;  // b: nullptr when not given
+  int64_t groups;
+  float* out;
+  SCALELAB_HD void operator()(int64_t) const { *out = count_fraction(a, b, numel, groups); }
 };
 
 }  // namespace rules

@@ -14,6 +14,7 @@ from strategies.layerwise import layerwise_update_
 from strategies.learned import learned_update_
 from strategies.max_ema import max_ema_update_
 from strategies.native import native_update_
+from strategies.state import record_step_
 from strategies.norm_ratio import norm_ratio_update_
 from strategies.tolerance import tolerance_update_
 from strategies.underflow_target import E_BINS, underflow_target_update_
@@ -83,6 +84,17 @@ def _tolerance(found: float, tolerance: float, threshold: float | None, raise_: 
             torch.tensor(found), 2.0, 0.5, 3, tolerance, threshold, fault, 2.0**13 if raise_ else 1e-4, 7)
 
 
+def _record_step(G: int, found: float, bounds: tuple[float | None, float | None]) -> tuple[Any, ...]:
+    """Scales below, inside, above and NaN against the bounds; a step already skipped twice."""
+    scale = torch.tensor([2.0**-20, 3.0, 2.0**40, float("nan")][:G])
+    return (scale, torch.tensor(2, dtype=I64), torch.tensor(1.0 - found), torch.tensor(found), *bounds)
+
+
+def _count_fraction(G: int, more: bool) -> tuple[Any, ...]:
+    numel = torch.arange(3, 3 + G, dtype=I64) * 1000 + 7
+    return (numel, numel // 3, numel // 5 if more else None)
+
+
 def _stats(dtype: torch.dtype, groups: bool) -> tuple[Any, ...]:
     grads = make_grads([7, 100, 0, 33], dtype, seed=3, specials=("zero", "fp16_min_sub"),
                        layouts=("contiguous", "strided"))
@@ -110,6 +122,10 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                                  lambda: _underflow_target(1.0, False, True)],
     "tolerance_update_": [lambda: _tolerance(0.0, 0.0, None, False), lambda: _tolerance(1.0, 0.25, 2.0**13.5, False),
                           lambda: _tolerance(1.0, 0.5, None, True)],
+    "record_step_": [lambda: _record_step(1, 0.0, (None, None)), lambda: _record_step(4, 1.0, (1.0, 2.0**24)),
+                     lambda: _record_step(3, 2.0, (0.1, 1e-3))],
+    "count_fraction": [lambda: _count_fraction(1, False), lambda: _count_fraction(3, True),
+                       lambda: (torch.zeros(2, dtype=I64), torch.zeros(2, dtype=I64), None)],
     "unscale_and_stats": [lambda: _stats(torch.float32, False), lambda: _stats(torch.float16, True),
                           lambda: _stats(torch.bfloat16, True)],
 }
@@ -125,5 +141,6 @@ TWINS: dict[str, Callable[..., None]] = {
     "learned_update_": learned_update_,
     "underflow_target_update_": underflow_target_update_,
     "tolerance_update_": tolerance_update_,
+    "record_step_": record_step_,
 }
 """update op -> its Python twin (same positional arguments; the oracle of the op)."""

@@ -1,7 +1,8 @@
 """The CUDA kernels of amax_history, hybrid, learned, underflow_target and tolerance
 (scalelab_rules_more.h, one thread each) against the CPU op and the Python twin, over the trajectories of
-test_update_ops_more.py, without a host sync; and the sync-free exponent histogram of
-underflow_target's hook on CUDA. Skipped without a GPU.
+test_update_ops_more.py, without a host sync; the sync-free exponent histogram of
+underflow_target's hook on CUDA; and every rule's epilogue ops (record_step_, count_fraction).
+Skipped without a GPU.
 
 learned and hybrid's probe take log2 / exp2 / pow in double on both devices (CUDA's within 1-2
 ulp of double, the C library's on the host) and round once to float32: equal bit for bit unless
@@ -56,3 +57,21 @@ def test_exponent_histogram_on_cuda_is_sync_free_and_equals_the_cpu(cuda_ops):
     with no_sync():
         got = exponent_histogram(gd)
     assert torch.equal(got.cpu(), exponent_histogram(g))
+
+
+@pytest.mark.parametrize("op_name,case", [(op, k) for op in ("record_step_", "count_fraction") for k in range(3)])
+def test_epilogue_ops_on_cuda_equal_the_cpu_and_never_sync(cuda_ops, op_name, case):
+    """record_step_ (every rule's update ends with it) and count_fraction on the GPU: the CPU op's
+    results bit for bit, without a host sync."""
+    from tests.cuda.samples import SAMPLES
+
+    cpu = SAMPLES[op_name][case]()
+    dev = cuda_copy(cpu)
+    want = getattr(cuda_ops, op_name)(*cpu)
+    with no_sync():
+        got = getattr(cuda_ops, op_name)(*dev)
+    if want is None:
+        assert_states_equal(0, tuple(a.cpu() for a in dev if isinstance(a, torch.Tensor)),
+                            tuple(a for a in cpu if isinstance(a, torch.Tensor)))
+    else:
+        assert got.device.type == "cuda" and got.cpu().view(torch.int32) == want.view(torch.int32)

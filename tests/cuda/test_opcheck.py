@@ -15,7 +15,7 @@ CASES = [(op, k) for op, makers in SAMPLES.items() for k in range(len(makers))]
 def test_samples_cover_every_op(ops):
     """Every op the library defines has opcheck cases, and every update op a Python twin (a new
     op without them fails here)."""
-    assert set(kernels.op_names()) == set(SAMPLES) == {"unscale_and_stats", *TWINS}
+    assert set(kernels.op_names()) == set(SAMPLES) == {"unscale_and_stats", "count_fraction", *TWINS}
 
 
 @pytest.mark.parametrize("op,case", CASES, ids=[f"{op}-{k}" for op, k in CASES])
@@ -36,5 +36,7 @@ def test_fake_is_registered(ops, op):
         fake = getattr(ops, op)(*args)
     if real is None:
         assert fake is None
+    elif isinstance(real, torch.Tensor):
+        assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
     else:
         assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
