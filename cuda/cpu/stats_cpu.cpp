@@ -30,9 +30,12 @@ namespace scalelab {
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int64_t kChunk = 1 << 15;       // elements per parallel work item
-constexpr int kFlushBlocks = 16;
-constexpr int64_t kSerialBelow = 1 << 21;  // elements; smaller passes run on the calling thread          // float sum-of-squares lanes flushed to double every 256 elements
+// Elements per work item: 1 MiB of float32. Every item ends with a reduction and a tail call; at
+// 32K elements those cost 2-3% of a 10M-parameter pass (scalelab-bench (b)), and 256K still gives
+// a thread that the OS schedules late at most ~0.1 ms to catch up.
+constexpr int64_t kChunk = 1 << 18;
+constexpr int kFlushBlocks = 16;  // float sum-of-squares lanes flushed to double every 256 elements
+constexpr int64_t kSerialBelow = 1 << 21;  // elements; smaller passes run on the calling thread
 
 struct Partial {
   float absmax = 0.f;

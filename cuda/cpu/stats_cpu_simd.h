@@ -86,7 +86,7 @@ void chunk_pass_avx512(typename E::Raw* __restrict p, int64_t n, float inv, Part
   }
   sumsq += (flush(ss0) + flush(ss1)) + (flush(ss2) + flush(ss3));
   Partial tail;
-  chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 64 elements
+  if (i < n) chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 64 elements
   const uint32_t mb = _mm512_reduce_max_epu32(_mm512_max_epu32(mb0, mb1));
   const int64_t zeros = _mm512_reduce_add_epi32(_mm512_add_epi32(zero0, zero1));
   finish_vector_part<E, kWrite>(mb, zeros, _mm512_reduce_add_epi32(_mm512_add_epi32(below0, below1)) - zeros,
@@ -172,7 +172,7 @@ void chunk_pass_avx2(typename E::Raw* __restrict p, int64_t n, float inv, Partia
   }
   sumsq += flush8(ss0) + flush8(ss1);
   Partial tail;
-  chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 16 elements
+  if (i < n) chunk_pass<E, kWrite>(p + i, n - i, inv, tail);  // fewer than 16 elements
   alignas(32) uint32_t m[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(m), mb);
   uint32_t mbits = 0;
