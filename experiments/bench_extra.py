@@ -13,6 +13,8 @@ optimizer unscales in its kernel; the strategy only reads the gradients for its 
 
 from __future__ import annotations
 
+import copy
+import random
 import statistics
 import time
 from typing import Any
@@ -25,17 +27,27 @@ import strategies
 HOOKED = {"layerwise": {}, "layerwise_adaloss": {"rule": "adaloss", "init_scale": 1.0}, "underflow_target": {}}
 
 
-def _median_ms(fn: Any, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0) -> dict[str, list[float]]:
+    """Milliseconds of each call per round; every round runs each once, in a shuffled order, so
+    drift and position hit both sides of a comparison alike (as section (a))."""
+    for fn in runs.values():  # warm-up
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    order, out = random.Random(seed), {k: [] for k in runs}
+    for _ in range(repeats):
+        for k in order.sample(list(runs), len(runs)):
+            t0 = time.perf_counter()
+            runs[k]()
+            out[k].append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a / b in the same round."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def bench_hooks(repeats: int) -> list[dict[str, Any]]:
+    """Two copies of one MLP, one with the strategy attached, timed round by round."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
                                 torch.nn.Linear(512, 1))
@@ -43,25 +55,27 @@ def bench_hooks(repeats: int) -> list[dict[str, Any]]:
     rows = []
     for label, kw in HOOKED.items():
         name = "layerwise" if label.startswith("layerwise") else label
+        attached_model = copy.deepcopy(model)
         plain = strategies.create(name, **kw)
-        hooked = strategies.create(name, **kw).attach(model)
+        hooked = strategies.create(name, **kw).attach(attached_model)
 
-        def backward(s: Any) -> None:
-            model.zero_grad(set_to_none=True)
-            s.scale(F.mse_loss(model(x), y)).backward()
+        def backward(m: torch.nn.Module, s: Any) -> None:
+            m.zero_grad(set_to_none=True)
+            s.scale(F.mse_loss(m(x), y)).backward()
 
+        t = _paired_ms({"plain": lambda: backward(model, plain),
+                        "hooked": lambda: backward(attached_model, hooked)}, repeats)
         hooked.detach()
-        t_plain = _median_ms(lambda: backward(plain), repeats)
-        hooked.attach(model)
-        t_hooked = _median_ms(lambda: backward(hooked), repeats)
-        hooked.detach()
+        t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
         rows.append({"strategy": label, "backward_ms": t_plain, "hooked_ms": t_hooked,
-                     "hook_ms": t_hooked - t_plain, "ratio": t_hooked / t_plain})
+                     "hook_ms": t_hooked - t_plain, "ratio": _ratio(t["hooked"], t["plain"])})
     return rows
 
 
 def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],
                 repeats: int) -> list[dict[str, Any]]:
+    """Per strategy: a separate unscale_() then the fused step, against the fused step unscaling
+    itself; the two share one optimizer (lr 0: the parameters never move), timed round by round."""
     opt = torch.optim.AdamW(params, lr=0.0, fused=True)
     loss = torch.ones((), requires_grad=True)
     rows = []
@@ -78,15 +92,15 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
             scaler.step(opt)
             scaler.update()
 
-        t_sep = _median_ms(lambda: run(True), repeats)
-        t_fused = _median_ms(lambda: run(False), repeats)
+        t = _paired_ms({"separate": lambda: run(True), "fused": lambda: run(False)}, repeats)
+        t_sep, t_fused = statistics.median(t["separate"]), statistics.median(t["fused"])
         rows.append({"strategy": name, "unscale_then_step_ms": t_sep, "fused_ms": t_fused, "saved_ms": t_sep - t_fused})
     return rows
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
-    lines = ["(c) layer-boundary hooks: forward + scaled backward of an 8 x 512 MLP (batch 256), median ms",
-             "", f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'hooks':>10}{'ratio':>9}", "  " + "-" * 59]
+    lines = ["(c) layer-boundary hooks: forward + scaled backward of an 8 x 512 MLP (batch 256), median ms;",
+             "    ratio: median over rounds of attached / plain in the same round", "", f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'hooks':>10}{'ratio':>9}", "  " + "-" * 59]
     lines += [f"  {r['strategy']:<20}{r['backward_ms']:>10.3f}{r['hooked_ms']:>12.3f}{r['hook_ms']:>10.3f}"
               f"{r['ratio']:>8.2f}x" for r in rows]
     return "\n".join(lines)

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import pytest
 
 import strategies
-from experiments import bench
+from experiments import bench, bench_extra
 
 
 def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
     out = tmp_path / "b.json"
-    assert bench.main(["--sizes", "3000,20K", "--repeats", "1", "--steps", "1", "--tensors", "4",
+    assert bench.main(["--sizes", "3000,20K", "--repeats", "3", "--steps", "1", "--tensors", "4",
                        "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     names = {r["name"] for r in data["overhead"]}
@@ -24,10 +25,16 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
     assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in gs)
     assert all(r["median_ms"] > 0 for r in data["overhead"])
     assert [r["size"] for r in data["stats_pass"]] == [3000, 20_000]
-    for r in data["stats_pass"]:
-        assert r["fused_over_foreach_mul"] == pytest.approx(r["fused_ms"] / r["foreach_mul_ms"])
+    for r in data["stats_pass"]:  # ratios: the median over rounds of the same round's ratio
+        t = r["samples_ms"]
+        assert len(t["fused"]) == len(t["foreach_mul"]) == len(t["torch_unscale"]) == 3
+        for other in ("foreach_mul", "torch_unscale"):
+            want = statistics.median(a / b for a, b in zip(t["fused"], t[other]))
+            assert r[f"fused_over_{other}"] == pytest.approx(want)
     table = capsys.readouterr().out
-    assert "GradScaler" in table and "fused/mul" in table
+    assert "GradScaler" in table and "fused/mul" in table and "fused/unscale" in table
+    assert {r["strategy"] for r in data["hooks"]} == set(bench_extra.HOOKED)
+    assert all(r["ratio"] > 0 and r["backward_ms"] > 0 for r in data["hooks"])
 
 
 @pytest.mark.parametrize("text,value", [("50M", 50_000_000), ("250K", 250_000), ("1000", 1000), ("1.5M", 1_500_000)])
