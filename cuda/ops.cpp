@@ -16,6 +16,7 @@
 //   learned_update_           strategies.learned.learned_update_
 //   underflow_target_update_  strategies.underflow_target.underflow_target_update_
 //   tolerance_update_         strategies.tolerance.tolerance_update_
+//   adaloss_step_             strategies.adaloss.adaloss_step_ (layerwise, rule adaloss)
 //   record_step_              strategies.state.record_step_ (every rule's update ends with it)
 // and count_fraction (strategies.stats.count_fraction: a zero or underflow fraction).
 #include <torch/library.h>
@@ -83,6 +84,12 @@ TORCH_LIBRARY(scalelab, m) {
       "tolerance_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) since_rescale, "
       "Tensor(d!) overflows, Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "float tolerance, float? threshold, Tensor(e!)? fault=None, float? min_scale=None, int step=0) -> ()");
+  // layerwise rule adaloss: blame, AdaLoss's scales from the loss down, bounds, statistics cleared.
+  m.def(
+      "adaloss_step_(Tensor(a!) scales, Tensor(b!) origin, Tensor(c!) g2, Tensor(d!) n, Tensor(e!) gmax, "
+      "Tensor found_inf, Tensor group_found_inf, Tensor emitted, Tensor contaminated, Tensor w2, Tensor wmax, "
+      "Tensor fan, float quantile, float u_min, float u_max, float layer_cap, float total_cap, "
+      "float backoff_factor, float? min_scale, float? max_scale) -> ()");
   // record_step: every rule's epilogue (clamp S, count a skipped step, remember found_inf).
   m.def(
       "record_step_(Tensor(a!) scale, Tensor(b!) skipped_steps, Tensor(c!) found_state, Tensor found_inf, "

@@ -6,13 +6,15 @@ optimizer's arithmetic are excluded — for every registered strategy (``strateg
 for ``torch.amp.GradScaler("cpu")`` and for no scaling (``loss`` + ``opt.step()``), at each size.
 ``norm_ratio`` runs without a reference closure, i.e. its overhead *excluding the probe* (the
 probe is one fp32 forward+backward every ``probe_interval`` steps, a model-dependent cost that
-the training runs record). ``layerwise`` runs unattached (one group).
+the training runs record). ``layerwise`` runs unattached (one group), with its default rule and
+as ``layerwise_adaloss`` (``rule: adaloss``, :data:`experiments.bench_extra.VARIANTS`).
 
-(c) hook cost per backward of the attach-based rules and (d) what a fused AdamW saves:
-:mod:`experiments.bench_extra`.
+(c) the attach cost per training step of the attach-based rules (their hooks, and AdaLoss's weight
+statistics) and (d) what a fused AdamW saves: :mod:`experiments.bench_extra`.
 
 (b) **Statistics pass** — ``strategies.stats.unscale_and_stats`` (the fused op when built) versus
-one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write)
+one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write),
+versus GradScaler's own unscale (``torch._amp_foreach_non_finite_check_and_unscale_``, no statistics)
 and versus the plain-torch multi-pass reference ``unscale_and_stats_reference``.
 
 Everything is measured side by side in one process: each repeat runs every configuration once
@@ -45,6 +47,7 @@ import torch
 
 import strategies
 from experiments import bench_extra
+from experiments.bench_extra import VARIANTS, NoOpOptimizer, make_scaler
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
@@ -65,16 +68,6 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
     return value
-
-
-class NoOpOptimizer(torch.optim.Optimizer):
-    """An optimizer whose ``step`` does nothing: the benchmark times scaling, not SGD."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params, {})
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # noqa: D102
-        return None
 
 
 def make_params(numel: int, tensors: int, seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -112,14 +105,6 @@ def step_timer(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> C
         return time.perf_counter() - t0
 
     return run
-
-
-def make_scaler(name: str) -> Any:
-    if name == "none":
-        return None
-    if name == "GradScaler":
-        return torch.amp.GradScaler("cpu")
-    return strategies.create(name, device="cpu")
 
 
 def bench_overhead(numel: int, tensors: int, names: list[str], repeats: int, steps: int) -> list[dict[str, Any]]:
@@ -274,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in registered]
     if unknown:
         build_parser().error(f"--strategies: unknown {unknown}; available: {registered}")
-    names = ["none", "GradScaler", *chosen]
+    names = ["none", "GradScaler", *chosen, *(v for v, (base, _) in VARIANTS.items() if base in chosen)]
 
     kernels.load()  # build/load before timing anything
     load_before = machine_info().get("loadavg_1_5_15")

@@ -1,9 +1,11 @@
 """``scalelab-bench`` sections (c) and (d): what attach-based rules cost per backward, and what a
 fused optimizer saves by unscaling in its own kernel.
 
-(c) **Hook cost per backward** — forward + scaled backward of a fixed MLP (8 x 512-wide layers,
-batch 256), with the strategy attached (its layer-boundary transforms run) and without; the
-difference is the hooks' cost per backward. Only the strategies whose ``attach`` installs hooks.
+(c) **Attach cost per step** — forward + scaled backward + unscale_/step/update of a fixed MLP
+(8 x 512-wide layers, batch 256), with the strategy attached (its layer-boundary transforms run,
+and it gathers what it needs per step: AdaLoss's weight statistics) and without; the difference is
+the hooks' cost per backward plus those statistics. Only the strategies whose ``attach`` installs
+hooks.
 
 (d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
 ``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
@@ -25,6 +27,31 @@ import torch.nn.functional as F
 import strategies
 
 HOOKED = {"layerwise": {}, "layerwise_adaloss": {"rule": "adaloss", "init_scale": 1.0}, "underflow_target": {}}
+VARIANTS = {"layerwise_adaloss": ("layerwise", HOOKED["layerwise_adaloss"])}
+"""Rules that are a setting of a registered strategy (conf/strategy/layerwise_adaloss.yaml), timed
+in (a) beside the registered ones."""
+
+
+def make_scaler(name: str) -> Any:
+    """``None`` for "none", torch's GradScaler, a :data:`VARIANTS` entry or a registered strategy."""
+    if name == "none":
+        return None
+    if name == "GradScaler":
+        return torch.amp.GradScaler("cpu")
+    if name in VARIANTS:
+        base, kw = VARIANTS[name]
+        return strategies.create(base, device="cpu", **kw)
+    return strategies.create(name, device="cpu")
+
+
+class NoOpOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step`` does nothing: the benchmark times scaling, not SGD."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:  # noqa: D102
+        return None
 
 
 def _paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0) -> dict[str, list[float]]:
@@ -47,7 +74,9 @@ def _ratio(a: list[float], b: list[float]) -> float:
 
 
 def bench_hooks(repeats: int) -> list[dict[str, Any]]:
-    """Two copies of one MLP, one with the strategy attached, timed round by round."""
+    """Two copies of one MLP, one with the strategy attached, timed round by round: a training
+    step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
+    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
                                 torch.nn.Linear(512, 1))
@@ -59,12 +88,17 @@ def bench_hooks(repeats: int) -> list[dict[str, Any]]:
         plain = strategies.create(name, **kw)
         hooked = strategies.create(name, **kw).attach(attached_model)
 
-        def backward(m: torch.nn.Module, s: Any) -> None:
+        opts = {id(model): NoOpOptimizer(list(model.parameters())),
+                id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
+
+        def train_step(m: torch.nn.Module, s: Any) -> None:
             m.zero_grad(set_to_none=True)
             s.scale(F.mse_loss(m(x), y)).backward()
+            s.step(opts[id(m)])
+            s.update()
 
-        t = _paired_ms({"plain": lambda: backward(model, plain),
-                        "hooked": lambda: backward(attached_model, hooked)}, repeats)
+        t = _paired_ms({"plain": lambda: train_step(model, plain),
+                        "hooked": lambda: train_step(attached_model, hooked)}, repeats)
         hooked.detach()
         t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
         rows.append({"strategy": label, "backward_ms": t_plain, "hooked_ms": t_hooked,
@@ -82,7 +116,7 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
     for name in names:
         if name == "none":
             continue
-        scaler = torch.amp.GradScaler("cpu") if name == "GradScaler" else strategies.create(name, device="cpu")
+        scaler = make_scaler(name)
 
         def run(unscale_first: bool) -> None:
             torch._foreach_copy_([p.grad for p in params], master)
@@ -99,8 +133,9 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
-    lines = ["(c) layer-boundary hooks: forward + scaled backward of an 8 x 512 MLP (batch 256), median ms;",
-             "    ratio: median over rounds of attached / plain in the same round", "", f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'hooks':>10}{'ratio':>9}", "  " + "-" * 59]
+    lines = ["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256):",
+             "    forward + scaled backward + unscale_/step (no-op)/update, median ms;",
+             "    ratio: median over rounds of attached / plain in the same round", "", f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'extra':>10}{'ratio':>9}", "  " + "-" * 59]
     lines += [f"  {r['strategy']:<20}{r['backward_ms']:>10.3f}{r['hooked_ms']:>12.3f}{r['hook_ms']:>10.3f}"
               f"{r['ratio']:>8.2f}x" for r in rows]
     return "\n".join(lines)

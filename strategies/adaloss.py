@@ -26,7 +26,9 @@ import math
 
 import torch
 
-__all__ = ["adaloss_update_", "record_", "weight_stats"]
+from strategies.kernels import f32_of_double
+
+__all__ = ["adaloss_step_", "adaloss_update_", "quantile", "record_", "weight_stats"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -40,6 +42,12 @@ def _erfinv(y: float) -> float:
     return (lo + hi) / 2
 
 
+def quantile(underflow_rate: float) -> float:
+    """``t = sqrt(2) erfinv(n_uf)``: the normal quantile that leaves ``n_uf`` of the products below
+    ``u_min`` (host, double; the op and the twin take it as an argument)."""
+    return math.sqrt(2.0) * _erfinv(underflow_rate)
+
+
 def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, group: int, grad: torch.Tensor,
             scale: torch.Tensor) -> None:
     """Accumulate, for ``group``, the sum of squares, count and abs-max of ``grad / scale``."""
@@ -49,22 +57,41 @@ def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, group: int, g
     gmax[group] = torch.maximum(gmax[group], g.abs().amax())
 
 
-def weight_stats(groups: list[list[torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+class WeightStats:
     """Per group: mean of the squared weights, their abs-max and the fan (largest ``shape[0]``)
-    over the weight matrices (dim >= 2); groups without one get (1, 1, 1)."""
-    w2, wmax, fan = [], [], []
-    for ws in groups:
-        mats = [w.detach().float() for w in ws if w.dim() >= 2]
-        if not mats:
-            w2.append(torch.ones((), device=device))
-            wmax.append(torch.ones((), device=device))
-            fan.append(1.0)
-            continue
-        total = sum(m.numel() for m in mats)
-        w2.append(torch.stack([m.square().sum() for m in mats]).sum().to(device) / total)
-        wmax.append(torch.stack([m.abs().amax() for m in mats]).amax().to(device))
-        fan.append(float(max(m.shape[0] for m in mats)))
-    return torch.stack(w2), torch.stack(wmax), torch.tensor(fan, device=device)
+    over the weight matrices (dim >= 2); groups without one get (1, 1, 1). What depends only on
+    the groups (matrices, group ids, counts, fans) is built once; each call is two read-only
+    ``_foreach_norm`` passes over the matrices, with no temporaries of their size."""
+
+    def __init__(self, groups: list[list[torch.Tensor]], device: torch.device) -> None:
+        mats = [(gi, w) for gi, ws in enumerate(groups) for w in ws if w.dim() >= 2]
+        G = len(groups)
+        self.tensors = [w for _, w in mats]
+        self.gid = torch.tensor([gi for gi, _ in mats], dtype=torch.int64, device=device)
+        count, fan = [0.0] * G, [0.0] * G
+        for gi, w in mats:
+            count[gi] += w.numel()
+            fan[gi] = max(fan[gi], float(w.shape[0]))
+        self.count = torch.tensor(count, device=device)
+        self.has = self.count > 0
+        self.fan = torch.tensor([f if f > 0 else 1.0 for f in fan], device=device)
+        self.ones = torch.ones(G, device=device)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.tensors:
+            return self.ones, self.ones, self.fan
+        with torch.no_grad():
+            dev = self.ones.device
+            sq = torch.stack(torch._foreach_norm(self.tensors, 2)).float().to(dev).square()
+            mx = torch.stack(torch._foreach_norm(self.tensors, math.inf)).float().to(dev)
+            w2 = torch.zeros_like(self.ones).index_add_(0, self.gid, sq) / self.count.clamp(min=1)
+            wmax = torch.zeros_like(self.ones).scatter_reduce_(0, self.gid, mx, "amax")
+        return torch.where(self.has, w2, self.ones), torch.where(self.has, wmax, self.ones), self.fan
+
+
+def weight_stats(groups: list[list[torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:class:`WeightStats` of ``groups``, once."""
+    return WeightStats(groups, device)()
 
 
 def adaloss_update_(
@@ -87,8 +114,17 @@ def adaloss_update_(
     """AdaLoss's scales for groups 0..G-1 (G-1 nearest the loss), in place, no host sync.
 
     ``blamed`` (bool [G]): the groups an overflow is attributed to on a skipped step."""
-    t = math.sqrt(2.0) * _erfinv(underflow_rate)
-    sigma = (g2 / n.clamp(min=1) * w2).sqrt()
+    _scales_(scales, blamed, found_inf, g2, n, gmax, w2, wmax, fan, quantile(underflow_rate), u_min, u_max,
+             layer_cap, total_cap, backoff_factor)
+
+
+def _scales_(scales: torch.Tensor, blamed: torch.Tensor, found_inf: torch.Tensor, g2: torch.Tensor,
+             n: torch.Tensor, gmax: torch.Tensor, w2: torch.Tensor, wmax: torch.Tensor, fan: torch.Tensor,
+             t: float, u_min: float, u_max: float, layer_cap: float, total_cap: float,
+             backoff_factor: float) -> None:
+    """:func:`adaloss_update_` with the quantile ``t`` given: the float32 arithmetic of
+    ``cuda/include/scalelab_rules_adaloss.h`` (sqrt correctly rounded there and here)."""
+    sigma = f32_of_double(torch.sqrt, g2 / n.clamp(min=1) * w2)
     wanted = torch.where(sigma > 0, u_min / (t * sigma), torch.ones_like(sigma))
     upper = torch.where(gmax * wmax > 0, (u_max / fan) / (gmax * wmax), torch.full_like(sigma, math.inf))
     new = torch.empty_like(scales)
@@ -102,3 +138,27 @@ def adaloss_update_(
     skip = found_inf > 0
     backed = (scales * backoff_factor).float()
     scales.copy_(torch.where(skip, torch.where(blamed, backed, scales), new))
+
+
+def adaloss_step_(
+    scales: torch.Tensor, origin: torch.Tensor, g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor,
+    found_inf: torch.Tensor, group_found_inf: torch.Tensor, emitted: torch.Tensor, contaminated: torch.Tensor,
+    w2: torch.Tensor, wmax: torch.Tensor, fan: torch.Tensor, quantile: float, u_min: float, u_max: float,
+    layer_cap: float, total_cap: float, backoff_factor: float, min_scale: float | None, max_scale: float | None,
+) -> None:
+    """One update of ``layerwise`` with ``rule: adaloss``, in place, no host sync: the groups an
+    overflow is blamed on (:func:`strategies.layerwise.overflow_origin`), :func:`adaloss_update_`
+    with the normal ``quantile`` (:func:`quantile`), the scales clamped to the power-of-two bounds
+    ``[min_scale, max_scale]`` where given, ``origin`` set to the blame, and the hooks' statistics
+    ``g2``, ``n``, ``gmax`` cleared for the next step. The Python twin of
+    ``torch.ops.scalelab.adaloss_step_`` (all tensors float32 ``[G]``, ``found_inf`` a scalar)."""
+    from strategies.layerwise import overflow_origin  # layerwise imports this module
+
+    blamed = overflow_origin(found_inf, group_found_inf, emitted, contaminated)
+    _scales_(scales, blamed, found_inf, g2, n, gmax, w2, wmax, fan, quantile, u_min, u_max, layer_cap, total_cap,
+             backoff_factor)
+    if min_scale is not None or max_scale is not None:
+        scales.clamp_(min=min_scale, max=max_scale)
+    origin.copy_(blamed)
+    for t in (g2, n, gmax):
+        t.zero_()

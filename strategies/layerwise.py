@@ -223,6 +223,7 @@ class LayerwiseStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self._group_names: list[str] = ["all"]
         self._param_group: dict[int, int] = {}
+        self._weight_stats: tuple[Any, adaloss.WeightStats] | None = None
         self._module_group: dict[int, int] = {}
         self._weights: list[list[torch.Tensor]] = [[]]  # per group, for rule adaloss
         self._handle: Any = None
@@ -356,15 +357,13 @@ class LayerwiseStrategy(Strategy):
         p, s = self.params, self.state
         lo, hi = p.pow2_bounds
         if p.rule == "adaloss":
-            blamed = overflow_origin(found_inf, stats.found_inf, s.emitted, s.contaminated)
-            adaloss.adaloss_update_(s.scale, blamed, found_inf, s.ada_g2, s.ada_n, s.ada_gmax,
-                                    *adaloss.weight_stats(self._weights, s.scale.device), p.underflow_rate,
-                                    p.format_min, p.format_max, p.layer_cap, p.total_cap, p.backoff_factor)
-            if lo is not None or hi is not None:
-                s.scale.clamp_(min=lo, max=hi)
-            s.overflow_origin.copy_(blamed.float())
-            for t in (s.ada_g2, s.ada_n, s.ada_gmax):
-                t.zero_()
+            key = (self._generation, s.scale.device)
+            if self._weight_stats is None or self._weight_stats[0] != key:  # built once per attach
+                self._weight_stats = (key, adaloss.WeightStats(self._weights, s.scale.device))
+            kernels.dispatch("adaloss_step_", adaloss.adaloss_step_, s.scale, s.overflow_origin, s.ada_g2, s.ada_n,
+                             s.ada_gmax, found_inf, stats.found_inf, s.emitted, s.contaminated,
+                             *self._weight_stats[1](), adaloss.quantile(p.underflow_rate), p.format_min,
+                             p.format_max, p.layer_cap, p.total_cap, p.backoff_factor, lo, hi)
         else:
             kernels.dispatch("layerwise_update_", layerwise_update_, s.scale, s.growth_tracker, s.ema, s.ema_steps,
                              s.hysteresis, s.candidate, s.overflow_origin, found_inf, stats.found_inf, stats.absmax,

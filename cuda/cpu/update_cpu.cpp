@@ -311,6 +311,35 @@ void tolerance_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tens
   run(d, f, 1, "tolerance_update_");
 }
 
+// layerwise rule adaloss: every group from the loss downwards (one thread); state and statistics [G].
+void adaloss_step_op(at::Tensor& scales, at::Tensor& origin, at::Tensor& g2, at::Tensor& n, at::Tensor& gmax,
+                     const at::Tensor& found_inf, const at::Tensor& group_found_inf, const at::Tensor& emitted,
+                     const at::Tensor& contaminated, const at::Tensor& w2, const at::Tensor& wmax, const at::Tensor& fan,
+                     double quantile, double u_min, double u_max, double layer_cap, double total_cap,
+                     double backoff_factor, std::optional<double> min_scale, std::optional<double> max_scale) {
+  const at::Device d = scales.device();
+  const int64_t G = scales.numel();
+  TORCH_CHECK(G >= 1, "scalelab::adaloss_step_: scales must have at least one element");
+  check(found_inf, d, at::kFloat, "found_inf", 1);
+  for (const auto& [t, name] : std::initializer_list<std::pair<const at::Tensor*, const char*>>{
+           {&scales, "scales"}, {&origin, "origin"}, {&g2, "g2"}, {&n, "n"}, {&gmax, "gmax"},
+           {&group_found_inf, "group_found_inf"}, {&emitted, "emitted"}, {&contaminated, "contaminated"},
+           {&w2, "w2"}, {&wmax, "wmax"}, {&fan, "fan"}})
+    check(*t, d, at::kFloat, name, G);
+  const rules::AdaLossParams p{static_cast<float>(quantile),  static_cast<float>(u_min),
+                               static_cast<float>(u_max),     static_cast<float>(layer_cap),
+                               static_cast<float>(total_cap), static_cast<float>(backoff_factor),
+                               min_scale.has_value(),         max_scale.has_value(),
+                               static_cast<float>(min_scale.value_or(0.0)),
+                               static_cast<float>(max_scale.value_or(0.0))};
+  const rules::AdaLossStep f{scales.data_ptr<float>(), origin.data_ptr<float>(), g2.data_ptr<float>(),
+                             n.data_ptr<float>(), gmax.data_ptr<float>(), found_inf.const_data_ptr<float>(),
+                             group_found_inf.const_data_ptr<float>(), emitted.const_data_ptr<float>(),
+                             contaminated.const_data_ptr<float>(), w2.const_data_ptr<float>(),
+                             wmax.const_data_ptr<float>(), fan.const_data_ptr<float>(), G, p};
+  run(d, f, 1, "adaloss_step_");
+}
+
 // Every strategy's update ends here: clamp the scale(s), count a skipped step, remember found_inf.
 void record_step_op(at::Tensor& scale, at::Tensor& skipped_steps, at::Tensor& found_state, const at::Tensor& found_inf,
                     std::optional<double> min_scale, std::optional<double> max_scale) {
@@ -354,6 +383,7 @@ void register_update_ops(torch::Library& m) {
   m.impl("learned_update_", &learned_update_op);
   m.impl("underflow_target_update_", &underflow_target_update_op);
   m.impl("tolerance_update_", &tolerance_update_op);
+  m.impl("adaloss_step_", &adaloss_step_op);
   m.impl("record_step_", &record_step_op);
   m.impl("count_fraction", &count_fraction_op);
 }

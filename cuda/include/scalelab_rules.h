@@ -15,7 +15,7 @@
 //   norm_ratio  strategies/norm_ratio.py
 //   layerwise   strategies/layerwise.py (per group)
 // and, in scalelab_rules_more.h (included at the end): amax_history, hybrid, learned,
-// underflow_target, tolerance.
+// underflow_target, tolerance; in scalelab_rules_adaloss.h: layerwise's rule adaloss.
 #pragma once
 
 #include "scalelab_common.h"
@@ -387,4 +387,5 @@ struct LayerwiseUpdate {
 }  // namespace rules
 }  // namespace scalelab
 
-#include "scalelab_rules_more.h"  // the later rules (split for the 400-line limit)
+#include "scalelab_rules_more.h"     // the later rules (split for the 400-line limit)
+#include "scalelab_rules_adaloss.h"  // layerwise rule: adaloss

@@ -45,6 +45,7 @@ template cudaError_t launch_rule<rules::LearnedUpdate>(const rules::LearnedUpdat
 template cudaError_t launch_rule<rules::UnderflowTargetUpdate>(const rules::UnderflowTargetUpdate&, int64_t,
                                                                cudaStream_t);
 template cudaError_t launch_rule<rules::ToleranceUpdate>(const rules::ToleranceUpdate&, int64_t, cudaStream_t);
+template cudaError_t launch_rule<rules::AdaLossStep>(const rules::AdaLossStep&, int64_t, cudaStream_t);
 template cudaError_t launch_rule<rules::RecordStep>(const rules::RecordStep&, int64_t, cudaStream_t);
 template cudaError_t launch_rule<rules::CountFraction>(const rules::CountFraction&, int64_t, cudaStream_t);
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from strategies.adaloss import adaloss_step_
 from strategies.amax_history import amax_history_update_
 from strategies.hybrid import hybrid_update_
 from strategies.layerwise import layerwise_update_
@@ -84,6 +85,16 @@ def _tolerance(found: float, tolerance: float, threshold: float | None, raise_: 
             torch.tensor(found), 2.0, 0.5, 3, tolerance, threshold, fault, 2.0**13 if raise_ else 1e-4, 7)
 
 
+def _adaloss_step(found: float, blame: bool, bounds: tuple[float | None, float | None]) -> tuple[Any, ...]:
+    """Four groups, the loss-side one last; group 1 without weight matrices (w2 = wmax = fan = 1)."""
+    G = 4
+    g2 = torch.tensor([1e-12, 4e-10, 0.0, 2e-6])
+    return (torch.tensor([64.0, 16.0, 4.0, 1.0]), torch.zeros(G), g2, torch.tensor([100.0, 50.0, 0.0, 10.0]),
+            torch.tensor([3e-6, 1e-4, 0.0, 5e-3]), torch.tensor(found), torch.tensor([0.0, found if blame else 0.0, 0.0, 0.0]),
+            torch.zeros(G), torch.zeros(G), torch.tensor([1e-3, 1.0, 4e-2, 1e-2]), torch.tensor([0.1, 1.0, 0.5, 0.3]),
+            torch.tensor([512.0, 1.0, 64.0, 32.0]), 3.2905267314918945, 6e-8, 65504.0, 16.0, 1024.0, 0.5, *bounds)
+
+
 def _record_step(G: int, found: float, bounds: tuple[float | None, float | None]) -> tuple[Any, ...]:
     """Scales below, inside, above and NaN against the bounds; a step already skipped twice."""
     scale = torch.tensor([2.0**-20, 3.0, 2.0**40, float("nan")][:G])
@@ -122,6 +133,8 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                                  lambda: _underflow_target(1.0, False, True)],
     "tolerance_update_": [lambda: _tolerance(0.0, 0.0, None, False), lambda: _tolerance(1.0, 0.25, 2.0**13.5, False),
                           lambda: _tolerance(1.0, 0.5, None, True)],
+    "adaloss_step_": [lambda: _adaloss_step(0.0, False, (None, None)), lambda: _adaloss_step(1.0, True, (None, 2.0**8)),
+                      lambda: _adaloss_step(1.0, False, (2.0, 2.0**20))],
     "record_step_": [lambda: _record_step(1, 0.0, (None, None)), lambda: _record_step(4, 1.0, (1.0, 2.0**24)),
                      lambda: _record_step(3, 2.0, (0.1, 1e-3))],
     "count_fraction": [lambda: _count_fraction(1, False), lambda: _count_fraction(3, True),
@@ -141,6 +154,7 @@ TWINS: dict[str, Callable[..., None]] = {
     "learned_update_": learned_update_,
     "underflow_target_update_": underflow_target_update_,
     "tolerance_update_": tolerance_update_,
+    "adaloss_step_": adaloss_step_,
     "record_step_": record_step_,
 }
 """update op -> its Python twin (same positional arguments; the oracle of the op)."""

@@ -19,7 +19,7 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
                        "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     names = {r["name"] for r in data["overhead"]}
-    assert names == {"none", "GradScaler", *strategies.available()}
+    assert names == {"none", "GradScaler", *strategies.available(), *bench_extra.VARIANTS}
     assert {r["size"] for r in data["overhead"]} == {3000, 20_000}
     gs = [r for r in data["overhead"] if r["name"] == "GradScaler"]
     assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in gs)

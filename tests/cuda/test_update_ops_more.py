@@ -1,5 +1,6 @@
-"""The update ops of amax_history, hybrid, learned, underflow_target and tolerance (cuda/include/
-scalelab_rules_more.h, the CPU twin of their CUDA kernels) equal their strategies' Python twins,
+"""The update ops of amax_history, hybrid, learned, underflow_target, tolerance (cuda/include/
+scalelab_rules_more.h) and layerwise's AdaLoss (scalelab_rules_adaloss.h), the CPU twin of their
+CUDA kernels, equal their strategies' Python twins,
 bit for bit on every state tensor, over long random trajectories.
 
 learned and hybrid's probe evaluate log2 / exp2 / pow in double and round once to float32 on
@@ -14,6 +15,7 @@ import math
 import pytest
 import torch
 
+from strategies.adaloss import adaloss_step_, quantile
 from strategies.amax_history import amax_history_update_
 from strategies.hybrid import hybrid_update_
 from strategies.learned import learned_update_
@@ -198,12 +200,63 @@ def fault_state(op):
     return run
 
 
+ADALOSS_CASES = [
+    # underflow rate, layer cap, total cap, backoff, power-of-two bounds
+    (1e-3, 16.0, 1024.0, 0.5, None, None),
+    (1e-2, 8.0, 2.0**16, 0.25, 2.0, 2.0**8),
+    (1e-4, 16.0, 1024.0, 0.5, None, 2.0**9),
+]
+
+
+def adaloss_trajectory(case):
+    """Five groups (group 2 without weight matrices), the hooks' statistics drawn log-uniformly
+    each step (sometimes zero), and 5% skipped steps with the blame scattered over the groups and
+    the skipped step's statistics non-finite."""
+    rate, layer_cap, total_cap, backoff, lo, hi = case
+    gen, G = torch.Generator().manual_seed(int(layer_cap) + int(1 / rate)), 5
+
+    def u(a, b, n=G):
+        return torch.empty(n).uniform_(a, b, generator=gen)
+
+    steps = []
+    for _ in range(STEPS):
+        n = torch.randint(1, 10_000, (G,), generator=gen).float()
+        g2 = torch.exp2(u(-70, -8)) * n * (u(0, 1) > 0.1)
+        gmax = (g2 / n).sqrt() * u(2, 50) * (u(0, 1) > 0.05)
+        w2, wmax, fan = torch.exp2(u(-14, 0)), torch.ones(G), torch.tensor([512.0, 64.0, 1.0, 16.0, 128.0])
+        wmax = w2.sqrt() * u(2, 8)
+        w2[2], wmax[2] = 1.0, 1.0
+        found = float(torch.rand((), generator=gen) < 0.05)
+        marks = [(u(0, 1) < 0.3).float() * found for _ in range(3)]
+        if found:
+            g2[marks[0] > 0] = float("inf")
+            gmax[marks[0] > 0] = float("nan")
+        steps.append((g2, n, gmax, torch.tensor(found), *marks, w2, wmax, fan))
+    state = (torch.ones(G), torch.zeros(G), torch.zeros(G), torch.zeros(G), torch.zeros(G))
+    hyper = (quantile(rate), 6e-8, 65504.0, layer_cap, total_cap, backoff, lo, hi)
+
+    def check(state):
+        assert state[0].unique().numel() > 1 and state[2].sum() == 0, "AdaLoss never spread the scales"
+
+    return state, steps, hyper, check
+
+
+def load_stats(op):
+    """adaloss_step_'s step arguments start with the hooks' statistics, which the op clears: load them first."""
+    def run(scales, origin, g2, n, gmax, g2_in, n_in, gmax_in, *rest):
+        for t, v in ((g2, g2_in), (n, n_in), (gmax, gmax_in)):
+            t.copy_(v)
+        op(scales, origin, g2, n, gmax, *rest)
+    return run
+
+
 TRAJECTORIES = {
     "amax_history_update_": (amax_history_update_, amax_history_trajectory, AMAX_CASES),
     "hybrid_update_": (hybrid_update_, hybrid_trajectory, HYBRID_CASES),
     "learned_update_": (learned_update_, learned_trajectory, LEARNED_CASES),
     "underflow_target_update_": (underflow_target_update_, underflow_target_trajectory, UNDERFLOW_CASES),
     "tolerance_update_": (tolerance_update_, tolerance_trajectory, TOLERANCE_CASES),
+    "adaloss_step_": (adaloss_step_, adaloss_trajectory, ADALOSS_CASES),
 }
 """op -> (Python twin, trajectory builder, cases); test_gpu_more.py runs the same trajectories."""
 
@@ -211,7 +264,8 @@ CASES = [(op, case) for op, (_, _, cases) in TRAJECTORIES.items() for case in ca
 
 
 def with_loader(op_name: str, fn):
-    return {"underflow_target_update_": load_hist, "tolerance_update_": fault_state}.get(op_name, lambda f: f)(fn)
+    return {"underflow_target_update_": load_hist, "tolerance_update_": fault_state,
+            "adaloss_step_": load_stats}.get(op_name, lambda f: f)(fn)
 
 
 @pytest.mark.parametrize("op_name,case", CASES, ids=[f"{o}-{'-'.join(map(str, c))}" for o, c in CASES])

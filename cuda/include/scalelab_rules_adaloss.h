@@ -1,0 +1,80 @@
+// scalelab_rules_adaloss.h — AdaLoss, `layerwise` with `rule: adaloss` (strategies/adaloss.py
+// adaloss_step_), in the form of scalelab_rules.h (which includes this file at its end). One call
+// walks every group from the loss downwards (each group's scale depends on the one above), so the
+// CUDA kernel is one thread; G is the number of layer groups (small).
+//
+//   skip = found_inf > 0; blamed as layerwise (overflow_origin)
+//   sigma_l  = sqrt(g2_l / max(n_l, 1) * w2_l)                       (sqrt correctly rounded)
+//   wanted_l = sigma_l > 0 ? u_min * (1 / (sigma_l * t)) : 1          (t: the normal quantile)
+//   upper_l  = gmax_l * wmax_l > 0 ? (u_max * (1 / fan_l)) / (gmax_l * wmax_l) : inf
+//   from the top, prev = 1:  f = min(max(wanted_l, 1), upper_l, total_cap * (1 / prev), layer_cap)
+//                            new_l = 2^(e - 1) with e the frexp exponent of prev * f;  prev = new_l
+//   S_l <- skip ? (blamed_l ? S_l * backoff : S_l) : new_l, then clamped to [min, max] where given
+//   origin_l <- blamed_l;  g2_l, n_l, gmax_l <- 0 (the hooks refill them next step)
+//
+// Every operation is the float32 one torch performs in the twin: `python_float / tensor` is
+// torch's reciprocal times the float32-rounded scalar, products take float32-rounded factors,
+// max/min propagate NaN, frexp/ldexp as std::frexp / 2^k. NaN and Inf only arise on skipped
+// steps, whose new scales are discarded.
+#pragma once
+
+#include "scalelab_rules.h"
+
+namespace scalelab {
+namespace rules {
+
+struct AdaLossParams {
+  float quantile, u_min, u_max, layer_cap, total_cap, backoff_factor;  // float32-rounded, as torch uses them
+  bool has_min, has_max;
+  float min_scale, max_scale;
+};
+
+SCALELAB_HD float max_nan(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a > b ? a : b); }
+SCALELAB_HD float min_nan(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a < b ? a : b); }
+
+// 2^(e - 1) for the frexp exponent e of x: x rounded down to a power of two (x >= 2^-126 finite).
+SCALELAB_HD float frexp_floor_pow2(float x) {
+  int e = 0;
+  (void)frexpf(x, &e);
+  return ldexpf(1.f, e - 1);
+}
+
+struct AdaLossStep {
+  float *scales, *origin, *g2, *n, *gmax;
+  const float *found_inf, *group_found_inf, *emitted, *contaminated, *w2, *wmax, *fan;
+  int64_t groups;
+  AdaLossParams p;
+
+  SCALELAB_HD void operator()(int64_t) const {
+    const bool skip = *found_inf > 0.f;
+    bool any_blamed = false;
+    for (int64_t g = 0; g < groups; ++g)
+      any_blamed |= skip && (group_found_inf[g] > 0.f || emitted[g] > 0.f) && !(contaminated[g] > 0.f);
+    float prev = 1.f;
+    for (int64_t l = groups - 1; l >= 0; --l) {
+      bool blamed = skip && (group_found_inf[l] > 0.f || emitted[l] > 0.f) && !(contaminated[l] > 0.f);
+      if (skip && !any_blamed) blamed = true;
+      const float count = n[l] < 1.f ? 1.f : n[l];
+      const float sigma = rn_sqrt(rn_mul(rn_div(g2[l], count), w2[l]));
+      const float wanted = sigma > 0.f ? rn_mul(rn_div(1.f, rn_mul(sigma, p.quantile)), p.u_min) : 1.f;
+      const float gw = rn_mul(gmax[l], wmax[l]);
+      const float upper = gw > 0.f ? rn_div(rn_mul(rn_div(1.f, fan[l]), p.u_max), gw) : INFINITY;
+      float f = max_nan(wanted, 1.f);
+      f = min_nan(min_nan(f, upper), min_nan(rn_mul(rn_div(1.f, prev), p.total_cap), p.layer_cap));
+      const float fresh = frexp_floor_pow2(rn_mul(prev, f));
+      prev = fresh;
+      float s = scales[l];
+      s = skip ? (blamed ? rn_mul(s, p.backoff_factor) : s) : fresh;
+      if (p.has_min && s < p.min_scale) s = p.min_scale;
+      if (p.has_max && s > p.max_scale) s = p.max_scale;
+      scales[l] = s;
+      origin[l] = blamed ? 1.f : 0.f;
+      g2[l] = 0.f;
+      n[l] = 0.f;
+      gmax[l] = 0.f;
+    }
+  }
+};
+
+}  // namespace rules
+}  // namespace scalelab
