@@ -30,6 +30,14 @@ class GradScalerAccessors:
         if self.params.enabled and len(self._per_optimizer_states) != 0:
             raise AssertionError("A GradScaler instance may only be pickled at the beginning "
                                  "of an iteration, or at the end after scaler.update().")
+        # A copy of these would silently act on the original's model (pickle and deepcopy alike).
+        if getattr(self, "_handle", None) is not None:
+            raise TypeError(f"{self.name}: an attached strategy cannot be pickled or copied (the model's hooks "
+                            "call this instance); detach() it first, or save its state_dict()")
+        if getattr(self, "_closure", None) is not None:
+            raise TypeError(f"{self.name}: a strategy holding a reference closure cannot be pickled or copied "
+                            "(the copy would probe the original model); save its state_dict() and call "
+                            "set_reference on the new one")
         return self.__dict__.copy()
 
     def is_enabled(self) -> bool:

@@ -153,6 +153,32 @@ def test_pickle_gradscaler(name, kw, lazy_init_scale) -> None:
             assert b.scale(torch.tensor([4.0])).item() == 16.0
 
 
+@pytest.mark.parametrize("name,how", [("layerwise", "attach"), ("underflow_target", "attach"),
+                                      ("norm_ratio", "reference"), ("hybrid", "reference")])
+def test_pickling_a_bound_strategy_is_one_clear_error(name, how) -> None:
+    """An attached strategy (the model's hooks call it) or one holding a reference closure
+    refuses pickle and deepcopy with one line saying why and what to do; detached or without
+    the closure it pickles again."""
+    import copy
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    s = strategies.create(name)
+    if how == "attach":
+        s.attach(model)
+        want = rf"{name}: an attached strategy cannot be pickled or copied .* detach\(\) it first"
+    else:
+        s.set_reference(lambda: model(torch.ones(2, 4)).sum())
+        want = rf"{name}: a strategy holding a reference closure cannot be pickled or copied"
+    for copier in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=want):
+            copier(s)
+    if how == "attach":
+        s.detach()
+    else:
+        s.set_reference(None)
+    assert pickle.loads(pickle.dumps(s)).name == name
+
+
 @pytest.mark.parametrize("name,kw", CASES)
 def test_grad_scale_will_not_overflow(name, kw) -> None:
     torch.manual_seed(0)
