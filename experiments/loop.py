@@ -287,7 +287,7 @@ def _train(
             recipe.set_lr(optimizer, lr_for(step))
             clock.reset()
             rng = fidelity.capture_rng(device) if fid_every and step % fid_every == 0 else None
-            t0 = time.perf_counter()
+            t0, hooks0 = time.perf_counter(), getattr(strategy, "hook_seconds", 0.0)  # attached rules' hooks
             with precision.autocast_context(device):
                 logits = model(batch["x"])
             loss = _loss_fn(logits, batch["y"])
@@ -310,7 +310,7 @@ def _train(
                 ts = time.perf_counter()
                 strategy.step(optimizer)
                 strategy.update()
-                t_strat += time.perf_counter() - ts - clock.elapsed
+                t_strat += time.perf_counter() - ts - clock.elapsed + getattr(strategy, "hook_seconds", 0.0) - hooks0
             except ValueError as exc:
                 if step > start_step + 1:
                     raise

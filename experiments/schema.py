@@ -96,7 +96,7 @@ TRAIN_FIELDS = _fields(
     Field("act_exp_hist", "dict", '{"lo": int, "counts": [int], "zeros": int}: exponent histogram', optional=True),
     Field("lr", float, "learning rate"),
     Field("step_time_s", float, "wall time of the whole step"),
-    Field("strategy_time_s", float, "wall time spent in the strategy"),
+    Field("strategy_time_s", float, "wall time spent in the strategy, its boundary hooks included"),
     Field("probe_time_s", float, "cumulative wall time of a strategy's fp32 probes", optional=True),
     Field("telemetry", "dict", "the strategy's own telemetry beyond the keys above (e.g. ema, candidate)", optional=True),
 )

@@ -115,6 +115,13 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     def set_reference(self, closure: Any, params: Iterable[torch.Tensor] | None = None) -> None:
         pass
 
+    @property
+    def hook_seconds(self) -> float:
+        """Host seconds the layer-boundary hooks of an attached strategy have run so far (0.0 for
+        the others): their cost per backward, which :meth:`scale` to :meth:`update` do not see."""
+        handle = getattr(self, "_handle", None)
+        return 0.0 if handle is None else handle.seconds
+
     def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
         return None
 

@@ -23,6 +23,7 @@ stage order. So the result never depends on which user attached first (tested).
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -77,11 +78,25 @@ class _User:
     on_call: Callable[[Trace, int], None] | None
     on_end: Callable[[Trace], None] | None
     when: Callable[[], bool] | None
+    seconds: float = 0.0  # host time spent in this user's callbacks so far
+
+
+def _timed(user: _User, fn: Callable[..., Any], *args: Any) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        user.seconds += time.perf_counter() - t0
 
 
 class Handle:
     def __init__(self, owner: "Boundaries", user: _User) -> None:
         self._owner, self._user = owner, user
+
+    @property
+    def seconds(self) -> float:
+        """Host seconds this user's callbacks (forward and backward) have run so far."""
+        return self._user.seconds
 
     def remove(self) -> None:
         self._owner._remove(self._user)
@@ -91,14 +106,14 @@ class _Boundary(torch.autograd.Function):
     """Identity in forward; the users' transforms of one call, in stage order, in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, chain: list[GradFn], trace: Trace, i: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, chain: list[_User], trace: Trace, i: int) -> torch.Tensor:  # type: ignore[override]
         ctx.chain, ctx.trace, ctx.i = chain, trace, i
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        for fn in ctx.chain:
-            out = fn(ctx.trace, ctx.i, g)
+        for u in ctx.chain:
+            out = _timed(u, u.on_grad, ctx.trace, ctx.i, g)
             if out is not None:
                 g = out
         return g, None, None, None
@@ -185,7 +200,7 @@ class Boundaries:
             trace.finished = True
             for u in list(self._users):
                 if u.on_end is not None:
-                    u.on_end(trace)
+                    _timed(u, u.on_end, trace)
         self.trace = None
 
     def _on_output(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -199,8 +214,8 @@ class Boundaries:
         users = [u for u in self._users if id(module) in u.modules]
         for u in users:
             if u.on_call is not None:
-                u.on_call(trace, i)
-        chain = [u.on_grad for u in users if u.on_grad is not None and (u.when is None or u.when())]
+                _timed(u, u.on_call, trace, i)
+        chain = [u for u in users if u.on_grad is not None and (u.when is None or u.when())]
         trace.nodes.append([])
         if not chain:
             return None

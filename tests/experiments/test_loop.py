@@ -141,3 +141,16 @@ def test_workloads_run_in_every_precision(tmp_path: Path, model: str, precision:
     if model == "gpt":
         assert summary["final_eval_metric"] == pytest.approx(summary["final_eval_loss"] / math.log(2))
         assert set(rows[0]["act_zero_frac"]) == {"embed", "blocks.0", "ln_f", "head"}  # the layers (strategies.boundaries)
+
+
+def test_an_attached_rule_pays_its_hooks_in_the_overhead(tmp_path: Path, monkeypatch) -> None:
+    """strategy_time_s counts the strategy's boundary hooks (Strategy.hook_seconds), which run
+    inside forward and backward where scale() to update() cannot see them: with a hook clock that
+    advances 1 s per read, every step's strategy time is over 1 s."""
+    from strategies.base import Strategy
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(Strategy, "hook_seconds", property(lambda self: float(next(ticks))))
+    _, rows = run_tiny(tmp_path, "train.steps=6", "train.log_every=1", "precision=fp16", "strategy=underflow_target")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 6 and all(r["strategy_time_s"] > 1.0 for r in train)

@@ -121,3 +121,23 @@ def test_disabled_runs_no_transform_and_handles_remove_their_hooks() -> None:
     assert hook_count(model) == 0
     with pytest.raises(ValueError, match="stage must be one of rescale, quantize, observe"):
         b.register("measure", [model[0]])
+
+
+def test_each_user_is_charged_its_own_callback_time() -> None:
+    """Handle.seconds is the host time of that user's callbacks, forward and backward, and nobody
+    else's: the loop adds an attached strategy's share to its overhead (Strategy.hook_seconds)."""
+    import time
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    b = Boundaries.of(model)
+    slow = b.register("observe", [model[0]], on_grad=lambda trace, i, g: time.sleep(0.02),
+                      on_call=lambda trace, i: time.sleep(0.01))
+    quick = b.register("rescale", [model[0]], on_grad=lambda trace, i, g: None)
+    assert slow.seconds == quick.seconds == 0.0
+    model(torch.ones(2, 4)).sum().backward()
+    assert slow.seconds >= 0.03 and quick.seconds < 0.03  # the sleeps are charged to slow alone
+    s = strategies.create("underflow_target").attach(model)
+    assert s.hook_seconds == 0.0 and strategies.create("native").hook_seconds == 0.0
+    model(torch.ones(2, 4)).sum().backward()
+    assert s.hook_seconds > 0.0
+    slow.remove(), quick.remove(), s.detach()
