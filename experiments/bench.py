@@ -47,7 +47,7 @@ import torch
 
 import strategies
 from experiments import bench_extra
-from experiments.bench_extra import VARIANTS, NoOpOptimizer, make_scaler
+from experiments.bench_extra import VARIANTS, NoOpOptimizer, make_scaler, paired_ratio
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
@@ -129,8 +129,7 @@ def bench_overhead(numel: int, tensors: int, names: list[str], repeats: int, ste
         med = statistics.median(samples[n])
         # The ratio is the median of per-round ratios (same round, side by side), not a ratio of
         # medians: a slow round then slows both sides of its own ratio.
-        ratio = (statistics.median(a / b for a, b in zip(samples[n], samples["GradScaler"]))
-                 if "GradScaler" in samples else None)
+        ratio = paired_ratio(samples[n], samples["GradScaler"]) if "GradScaler" in samples else None
         rows.append({
             "size": numel, "tensors": tensors, "name": n, "median_ms": med * 1e3,
             "ratio_vs_gradscaler": ratio,
@@ -169,9 +168,8 @@ def bench_stats_pass(numel: int, tensors: int, repeats: int) -> dict[str, Any]:
         "size": numel, "tensors": tensors,
         "fused_ms": med["fused"], "foreach_mul_ms": med["foreach_mul"], "torch_unscale_ms": med["torch_unscale"],
         "reference_ms": med["reference"],
-        "fused_over_foreach_mul": statistics.median(a / b for a, b in zip(samples["fused"], samples["foreach_mul"])),
-        "fused_over_torch_unscale": statistics.median(
-            a / b for a, b in zip(samples["fused"], samples["torch_unscale"])),
+        "fused_over_foreach_mul": paired_ratio(samples["fused"], samples["foreach_mul"]),
+        "fused_over_torch_unscale": paired_ratio(samples["fused"], samples["torch_unscale"]),
         "reference_over_fused": med["reference"] / med["fused"],
         "fused_is_kernel": kernels.available(),
         "samples_ms": {k: [s * 1e3 for s in v] for k, v in samples.items()},
@@ -198,7 +196,8 @@ def format_tables(overhead: list[dict[str, Any]], stats_rows: list[dict[str, Any
             cells.append(f"{r['median_ms']:9.3f}{ratio:>9}")
         lines.append(f"{human(size):>8} " + " ".join(f"{c:>18}" for c in cells))
     lines += ["", "(b) statistics pass vs one in-place _foreach_mul_, GradScaler's unscale (no statistics) and the",
-              "    plain-torch reference, median ms; fused/mul, fused/unscale: median over rounds of the same round's ratio", ""]
+              "    plain-torch reference, median ms; fused/mul, fused/unscale: median over rounds of the same",
+              "    round's ratio", ""]
     header = (f"{'params':>8} {'fused':>10} {'foreach_mul':>12} {'unscale':>10} {'reference':>11} "
               f"{'fused/mul':>10} {'fused/unscale':>14} {'ref/fused':>10}")
     lines += [header, "-" * len(header)]

@@ -28,7 +28,7 @@ import torch
 
 from strategies.kernels import f32_of_double
 
-__all__ = ["adaloss_step_", "adaloss_update_", "quantile", "record_", "weight_stats"]
+__all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -87,11 +87,6 @@ class WeightStats:
             w2 = torch.zeros_like(self.ones).index_add_(0, self.gid, sq) / self.count.clamp(min=1)
             wmax = torch.zeros_like(self.ones).scatter_reduce_(0, self.gid, mx, "amax")
         return torch.where(self.has, w2, self.ones), torch.where(self.has, wmax, self.ones), self.fan
-
-
-def weight_stats(groups: list[list[torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """:class:`WeightStats` of ``groups``, once."""
-    return WeightStats(groups, device)()
 
 
 def adaloss_update_(

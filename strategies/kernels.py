@@ -212,7 +212,8 @@ def _register_fakes() -> None:
             raise RuntimeError(f"scalelab: tensor is on {other.device} but the scale is on {ts[0].device}")
         return None
 
-    def count_fraction_fake(numel: torch.Tensor, counts: torch.Tensor, more: torch.Tensor | None = None) -> torch.Tensor:
+    def count_fraction_fake(numel: torch.Tensor, counts: torch.Tensor,
+                            more: torch.Tensor | None = None) -> torch.Tensor:
         return numel.new_empty((), dtype=torch.float32)
 
     for name in op_names():
@@ -313,7 +314,8 @@ def update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
 
 
 _RULE_DTYPES = (torch.float32, torch.int32, torch.int64)
-_FOREIGN = re.compile(r"^scalelab: \w+ (is on \S+ but the scale is on|must be contiguous|must be (Float|Int|Long), got)")
+_FOREIGN = re.compile(
+    r"^scalelab: \w+ (is on \S+ but the scale is on|must be contiguous|must be (Float|Int|Long), got)")
 """The op's own messages (cuda/cpu/update_cpu.cpp ``check``) for a tensor it does not take, checked
 before it writes anything: dispatch then runs the Python twin instead."""
 
