@@ -60,8 +60,8 @@ def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, group: int, g
 class WeightStats:
     """Per group: mean of the squared weights, their abs-max and the fan (largest ``shape[0]``)
     over the weight matrices (dim >= 2); groups without one get (1, 1, 1). What depends only on
-    the groups (matrices, group ids, counts, fans) is built once; each call is two read-only
-    ``_foreach_norm`` passes over the matrices, with no temporaries of their size."""
+    the groups (matrices, group ids, counts, fans) is built once; each call reads the matrices twice
+    (``_foreach_norm`` and ``aminmax``), with no temporaries of their size."""
 
     def __init__(self, groups: list[list[torch.Tensor]], device: torch.device) -> None:
         mats = [(gi, w) for gi, ws in enumerate(groups) for w in ws if w.dim() >= 2]
@@ -83,7 +83,9 @@ class WeightStats:
         with torch.no_grad():
             dev = self.ones.device
             sq = torch.stack(torch._foreach_norm(self.tensors, 2)).float().to(dev).square()
-            mx = torch.stack(torch._foreach_norm(self.tensors, math.inf)).float().to(dev)
+            # abs-max as max(-min, max): torch's inf-norm is unvectorised on the CPU (17x slower)
+            lo, hi = (torch.stack(t).float().to(dev) for t in zip(*(torch.aminmax(w) for w in self.tensors)))
+            mx = torch.maximum(-lo, hi)
             w2 = torch.zeros_like(self.ones).index_add_(0, self.gid, sq) / self.count.clamp(min=1)
             wmax = torch.zeros_like(self.ones).scatter_reduce_(0, self.gid, mx, "amax")
         return torch.where(self.has, w2, self.ones), torch.where(self.has, wmax, self.ones), self.fan

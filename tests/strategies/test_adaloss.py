@@ -112,3 +112,18 @@ def test_adaloss_parameters_are_validated(bad, message) -> None:
     with pytest.raises(ValueError) as e:
         strategies.create("layerwise", rule="adaloss", **bad)
     assert str(e.value) == message
+
+
+def test_weight_statistics_equal_a_plain_computation() -> None:
+    """Per group: mean square and abs-max over the weight matrices only (vectors ignored), the
+    largest shape[0] as fan; a group without a matrix gets (1, 1, 1)."""
+    from strategies.adaloss import WeightStats
+
+    torch.manual_seed(0)
+    groups = [[torch.randn(8, 4), torch.randn(4)], [torch.randn(5)], [torch.randn(16, 8) * 3, -torch.rand(3, 3) * 40]]
+    w2, wmax, fan = WeightStats(groups, torch.device("cpu"))()
+    mats = [[w for w in g if w.dim() >= 2] for g in groups]
+    want_w2 = [float(sum(m.double().square().sum() for m in g) / sum(m.numel() for m in g)) if g else 1.0 for g in mats]
+    assert w2.tolist() == pytest.approx(want_w2, rel=1e-6)
+    assert wmax.tolist() == [max(m.abs().max().item() for m in g) if g else 1.0 for g in mats]
+    assert fan.tolist() == [8.0, 1.0, 16.0]
