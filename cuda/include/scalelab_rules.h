@@ -311,18 +311,26 @@ struct LayerwiseParams {
   float min_scale, max_scale;
 };
 
+// strategies.layerwise.overflow_origin, group g on a skipped step: own or emitted gradient
+// non-finite, not contaminated from above; blamed = that, or every group when no group is.
+SCALELAB_HD bool origin_of(int64_t g, bool skip, const float* gfi, const float* em, const float* co) {
+  return skip && (gfi[g] > 0.f || em[g] > 0.f) && !(co[g] > 0.f);
+}
+SCALELAB_HD bool any_origin(int64_t groups, bool skip, const float* gfi, const float* em, const float* co) {
+  bool any = false;
+  for (int64_t g = 0; g < groups; ++g) any |= origin_of(g, skip, gfi, em, co);
+  return any;
+}
+
 SCALELAB_HD void layerwise_update(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps,
                                   int32_t* hysteresis, float* candidate, float* origin, float found_inf,
                                   const float* group_found_inf, const float* group_absmax,
                                   const int64_t* group_numel, const float* emitted, const float* contaminated,
                                   int64_t groups, const LayerwiseParams& p) {
   const bool skip = found_inf > 0.f;
-  bool any_blamed = false;
-  for (int64_t g = 0; g < groups; ++g)
-    any_blamed |= skip && (group_found_inf[g] > 0.f || emitted[g] > 0.f) && !(contaminated[g] > 0.f);
+  const bool any_blamed = any_origin(groups, skip, group_found_inf, emitted, contaminated);
   for (int64_t g = 0; g < groups; ++g) {
-    bool blamed = skip && (group_found_inf[g] > 0.f || emitted[g] > 0.f) && !(contaminated[g] > 0.f);
-    if (skip && !any_blamed) blamed = true;
+    const bool blamed = origin_of(g, skip, group_found_inf, emitted, contaminated) || (skip && !any_blamed);
     const bool frozen = (skip && !blamed) || group_numel[g] == 0;
     float s = scales[g], e = ema[g], cand = candidate[g];
     int32_t t = trackers[g], n = ema_steps[g], h = hysteresis[g];

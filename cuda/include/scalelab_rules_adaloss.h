@@ -29,9 +29,6 @@ struct AdaLossParams {
   float min_scale, max_scale;
 };
 
-SCALELAB_HD float max_nan(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a > b ? a : b); }
-SCALELAB_HD float min_nan(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a < b ? a : b); }
-
 // 2^(e - 1) for the frexp exponent e of x: x rounded down to a power of two (x >= 2^-126 finite).
 SCALELAB_HD float frexp_floor_pow2(float x) {
   int e = 0;
@@ -47,20 +44,17 @@ struct AdaLossStep {
 
   SCALELAB_HD void operator()(int64_t) const {
     const bool skip = *found_inf > 0.f;
-    bool any_blamed = false;
-    for (int64_t g = 0; g < groups; ++g)
-      any_blamed |= skip && (group_found_inf[g] > 0.f || emitted[g] > 0.f) && !(contaminated[g] > 0.f);
+    const bool any_blamed = any_origin(groups, skip, group_found_inf, emitted, contaminated);
     float prev = 1.f;
     for (int64_t l = groups - 1; l >= 0; --l) {
-      bool blamed = skip && (group_found_inf[l] > 0.f || emitted[l] > 0.f) && !(contaminated[l] > 0.f);
-      if (skip && !any_blamed) blamed = true;
+      const bool blamed = origin_of(l, skip, group_found_inf, emitted, contaminated) || (skip && !any_blamed);
       const float count = n[l] < 1.f ? 1.f : n[l];
       const float sigma = rn_sqrt(rn_mul(rn_div(g2[l], count), w2[l]));
       const float wanted = sigma > 0.f ? rn_mul(rn_div(1.f, rn_mul(sigma, p.quantile)), p.u_min) : 1.f;
       const float gw = rn_mul(gmax[l], wmax[l]);
       const float upper = gw > 0.f ? rn_div(rn_mul(rn_div(1.f, fan[l]), p.u_max), gw) : INFINITY;
-      float f = max_nan(wanted, 1.f);
-      f = min_nan(min_nan(f, upper), min_nan(rn_mul(rn_div(1.f, prev), p.total_cap), p.layer_cap));
+      float f = (is_nan(wanted) || wanted >= 1.f) ? wanted : 1.f;  // clamp(min=1): NaN stays
+      f = minimum_nan(minimum_nan(f, upper), minimum_nan(rn_mul(rn_div(1.f, prev), p.total_cap), p.layer_cap));
       const float fresh = frexp_floor_pow2(rn_mul(prev, f));
       prev = fresh;
       float s = scales[l];

@@ -7,9 +7,10 @@
 //   learned           strategies/learned.py           learned_update_
 //   underflow_target  strategies/underflow_target.py  underflow_target_update_
 //   tolerance         strategies/tolerance.py         tolerance_update_
-//   record_step       strategies/state.py             record_step_ (every rule's epilogue)
 // All five run as one thread (n = 1): the first four reduce over the step's groups (abs-max) or
 // over their own state (the amax history, the exponent histogram) first; tolerance's state is scalar.
+// Then every rule's epilogue record_step (strategies/state.py record_step_; one item per scale
+// entry) and count_fraction (strategies/stats.py count_fraction_reference; one thread).
 #pragma once
 
 #include "scalelab_rules.h"
