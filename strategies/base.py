@@ -15,6 +15,7 @@ A rule's ``fault`` state (see :class:`Strategy`) is read in that same ``step()``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections import defaultdict
@@ -26,7 +27,7 @@ from torch.amp.grad_scaler import OptState
 
 from strategies import kernels
 from strategies.gradscaler_api import GradScalerAccessors
-from strategies.params import ScalerParams
+from strategies.params import ScalerParams, signature
 from strategies.state import (RuleState, ScaleFloorError, State, base_state, from_state_dict, raise_fault,
                               record_step_, telemetry_of, to_state_dict)
 from strategies.stats import GradStats, all_reduce_, gather
@@ -49,7 +50,11 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     Constructor: ``Strategy(device=None, init_scale=2.**16, growth_factor=2.0, backoff_factor=0.5,
     growth_interval=2000, enabled=True, *, min_scale, max_scale, track_stats, distributed,
     <the rule's own>)`` — the fields of ``Params`` (:class:`strategies.params.ScalerParams` and
-    the rule's additions), validated at construction with one-line ``ValueError``s.
+    the rule's additions), validated at construction with one-line ``ValueError``s. Each
+    subclass's ``__init__`` carries this as its real ``__signature__`` (derived from its ``Params``
+    by :func:`strategies.params.signature` when the class is defined; what ``inspect.signature``,
+    ``help()`` and IDEs show), and arguments are bound against it: more than GradScaler's six
+    positional ones, or an unknown keyword, is a ``TypeError`` naming the strategy.
 
     A rule declares (class attributes):
 
@@ -86,12 +91,32 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     per_group: ClassVar[bool] = False
     pow2_scales: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give the subclass an ``__init__`` whose ``__signature__`` is its ``Params``' (one
+        thin forwarding function per class, so each class shows its own rule's fields)."""
+        super().__init_subclass__(**kwargs)
+        inherited = cls.__init__
+
+        @functools.wraps(inherited)
+        def __init__(self: Strategy, *args: Any, **kw: Any) -> None:
+            inherited(self, *args, **kw)
+
+        __init__.__signature__ = signature(cls.Params)  # type: ignore[attr-defined]
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # GradScaler.__init__ deliberately not called
+        try:
+            signature(self.Params).bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.name}: {e} (GradScaler's six arguments may be positional, every other "
+                            "one is a keyword)") from None
         self.params = self.Params(*args, **kwargs)
         if self.params.device == "cuda" and self.params.enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.")
             self.params = self.params.replace(enabled=False)  # as GradScaler
-        self._device = None if self.params.device is None else torch.device(self.params.device)
+        self._state_device = None if self.params.device is None else torch.device(self.params.device)
+        self._init_values: dict[str, float | int] = {"scale": self.params.init_scale, "growth_tracker": 0}
         self.state: RuleState | None = None
         self.output_group = 0
         self.updates = 0  # update() calls so far (host counter, saved in state_dict)
@@ -138,7 +163,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         return base_state(self.per_group) + tuple(s for s in self.state_spec if s.present(self.params))
 
     def _lazy_init(self, dev: torch.device) -> None:
-        self.state = RuleState(self._specs(), self.params, self.num_groups, self._device or dev)
+        self.state = RuleState(self._specs(), self.params, self.num_groups, self._state_device or dev)
         if self._pending:
             self.state.load_(self._pending)
             self._pending = {}
@@ -380,7 +405,12 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             return
         params, updates, values = from_state_dict(self, state_dict)
         self.params, self.updates = params, updates
+        # GradScaler.load_state_dict sets _init_scale / _init_growth_tracker (both validated above)
+        self._init_values = {"scale": float(state_dict["scale"]), "growth_tracker": int(state_dict["_growth_tracker"])}
         if self.state is not None:
             self.state.load_(values)
         else:
             self._pending = values
+
+
+Strategy.__init__.__signature__ = signature(ScalerParams)  # type: ignore[attr-defined]
