@@ -42,7 +42,9 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
     It *subclasses* GradScaler (rather than only mimicking its methods) so that frameworks'
     ``isinstance(scaler, torch.amp.GradScaler)`` checks pass and the private members they use
-    exist: ``_scale``, ``_growth_tracker``, ``_enabled``, ``_per_optimizer_states``,
+    exist: every attribute GradScaler's ``__init__`` sets (``_device``, ``_enabled``, ``_init_scale``,
+    ``_scale``, ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``, ``_init_growth_tracker``,
+    ``_growth_tracker``, ``_per_optimizer_states``; :mod:`strategies.gradscaler_api`),
     ``_lazy_init_scale_growth_tracker`` (accelerate), ``_check_inf_per_device``,
     ``_found_inf_per_device``. Every public method is overridden; GradScaler's ``__init__`` is not
     called (the state lives in ``self.state``), and its ``_unscale_grads_`` stays torch's own.
