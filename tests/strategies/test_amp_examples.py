@@ -168,26 +168,22 @@ class Data:
 Pattern = Callable[[Any, Run, int, Data], None]
 
 
-def typical(scaler: Any, r: Run, k: int, data: Data) -> None:
+def typical(scaler: Any, r: Run, k: int, data: Data, clip: bool = False) -> None:
+    """The page's typical loop; with ``clip``, its "gradient clipping" (``unscale_`` first)."""
     r.opt.zero_grad()
     x, y = data.at(k)
     with data.amp():
         loss = F.mse_loss(r.model(x), y)
     scaler.scale(loss).backward()
+    if clip:
+        scaler.unscale_(r.opt)
+        torch.nn.utils.clip_grad_norm_(r.model.parameters(), max_norm=0.05)  # small enough to act
     scaler.step(r.opt)
     scaler.update()
 
 
 def clipping(scaler: Any, r: Run, k: int, data: Data) -> None:
-    r.opt.zero_grad()
-    x, y = data.at(k)
-    with data.amp():
-        loss = F.mse_loss(r.model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(r.opt)
-    torch.nn.utils.clip_grad_norm_(r.model.parameters(), max_norm=0.05)  # small enough to act
-    scaler.step(r.opt)
-    scaler.update()
+    typical(scaler, r, k, data, clip=True)
 
 
 def accumulation(poison_step: int | None) -> Pattern:
