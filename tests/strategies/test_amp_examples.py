@@ -15,10 +15,11 @@ so bit-identical too. A step is skipped by both or by neither.
 
 Where a per-group rule cannot be exact (the gradient penalty divides by the one ``get_scale()``;
 two models feeding two losses; a backward the strategy did not scale), the alternative is **one
-clear error** — ``RuntimeError``/``ValueError`` naming the strategy, raised before the optimizer
-steps. Those cases are :data:`MAY_REFUSE`; every other (rule, pattern) pair must be exact.
+clear error** — one line, ``RuntimeError``/``ValueError``, naming the strategy, raised by the
+pattern's own calls. Those cases are :data:`MAY_REFUSE`; every other (rule, pattern) pair must be
+exact. Each pattern runs in fp32 and under CPU autocast fp16 (the page's setting).
 
-Patterns: typical loop (fp32 and autocast fp16); clipping after ``unscale_``; gradient
+Patterns: typical loop; clipping after ``unscale_``; gradient
 accumulation (an Inf in one micro-batch skips the whole accumulated step); gradient penalty;
 several models, losses and optimizers with one scaler; custom autograd functions
 (``torch.amp.custom_fwd``/``custom_bwd``); ``state_dict()`` loaded into a new scaler mid-run (which
@@ -337,6 +338,7 @@ def autocast_overrides(name: str, autocast: bool) -> dict:
     if not autocast:
         return {}
     return {"init_scale": AUTOCAST_SCALE, **({"min_scale": PER_GROUP_FLOOR} if per_group(name) else {})}
+
 
 PRECISION = pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_fp16"])
 
