@@ -192,6 +192,16 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
         return round_down_pow2(scale) if self.pow2_scales else scale
 
+    def _bounded(self, scale: torch.Tensor) -> torch.Tensor:
+        """A scale set by hand (``update(new_scale)``) kept within ``[min_scale, max_scale]``, as
+        every update keeps it (on the device, no sync): clamped, then rounded down to a power of
+        two for ``pow2_scales`` rules — doubled if that fell below ``min_scale`` (a rule with
+        power-of-two scales validates that one lies within the bounds)."""
+        lo, hi = self.params.min_scale, self.params.max_scale
+        clamped = scale.clamp(min=lo, max=hi) if lo is not None or hi is not None else scale
+        rounded = self._round(clamped)
+        return torch.where(rounded < lo, rounded * 2, rounded) if lo is not None else rounded
+
     def _check_initialized(self, funcname: str) -> RuleState:
         if self.state is None:
             raise AssertionError(
@@ -330,14 +340,14 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
         Call once per iteration, after :meth:`step` for every optimizer. ``new_scale`` sets the
         scale directly instead (a float, or a 1-element tensor on the strategy's device type),
-        as GradScaler. No host sync.
+        as GradScaler, clamped into ``[min_scale, max_scale]`` like every update. No host sync.
         """
         if not self.params.enabled:
             return
         state = self._check_initialized("update")
         if new_scale is not None:
             state.set_scale_(new_scale)
-            state.scale.copy_(self._round(state.scale))
+            state.scale.copy_(self._bounded(state.scale))
         else:
             dev = state.scale.device
             found = [t if t.device == dev else t.to(dev, non_blocking=True)

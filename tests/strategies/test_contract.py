@@ -361,3 +361,18 @@ def test_init_scale_on_a_bound_is_the_first_steps_scale(name: str) -> None:
         x, y = batch(0)
         loss = torch.nn.functional.mse_loss(model(x), y)
         assert torch.equal(s.scale(loss), loss * 2.0**8)  # the first step's scale, before any update
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_scale_set_by_hand_stays_within_the_bounds(name: str, as_tensor: bool) -> None:
+    """``update(new_scale)`` (GradScaler's manual override) is an update: S stays within
+    [min_scale, max_scale] like after every other one; inside them it is taken as given."""
+    lo, hi = 2.0**4, 2.0**12
+    model, opt, s = setup(name, init_scale=2.0**8, min_scale=lo, max_scale=hi)
+    s.attach(model)
+    one_step(model, opt, s, 0)
+    for wanted, expected in ((2.0**20, hi), (2.0**-3, lo), (2.0**6, 2.0**6)):
+        s.update(torch.tensor(wanted) if as_tensor else wanted)
+        assert s.get_scale() == expected
+        assert all(lo <= x <= hi for x in s.state.scale.reshape(-1).tolist())
