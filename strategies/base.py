@@ -15,6 +15,7 @@ A rule's ``fault`` state (see :class:`Strategy`) is read in that same ``step()``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections import defaultdict
@@ -26,7 +27,7 @@ from torch.amp.grad_scaler import OptState
 
 from strategies import kernels
 from strategies.gradscaler_api import GradScalerAccessors
-from strategies.params import ScalerParams
+from strategies.params import ScalerParams, signature
 from strategies.state import (RuleState, ScaleFloorError, State, base_state, from_state_dict, raise_fault,
                               record_step_, telemetry_of, to_state_dict)
 from strategies.stats import GradStats, all_reduce_, gather
@@ -41,7 +42,9 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
     It *subclasses* GradScaler (rather than only mimicking its methods) so that frameworks'
     ``isinstance(scaler, torch.amp.GradScaler)`` checks pass and the private members they use
-    exist: ``_scale``, ``_growth_tracker``, ``_enabled``, ``_per_optimizer_states``,
+    exist: every attribute GradScaler's ``__init__`` sets (``_device``, ``_enabled``, ``_init_scale``,
+    ``_scale``, ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``, ``_init_growth_tracker``,
+    ``_growth_tracker``, ``_per_optimizer_states``; :mod:`strategies.gradscaler_api`),
     ``_lazy_init_scale_growth_tracker`` (accelerate), ``_check_inf_per_device``,
     ``_found_inf_per_device``. Every public method is overridden; GradScaler's ``__init__`` is not
     called (the state lives in ``self.state``), and its ``_unscale_grads_`` stays torch's own.
@@ -49,7 +52,11 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     Constructor: ``Strategy(device=None, init_scale=2.**16, growth_factor=2.0, backoff_factor=0.5,
     growth_interval=2000, enabled=True, *, min_scale, max_scale, track_stats, distributed,
     <the rule's own>)`` — the fields of ``Params`` (:class:`strategies.params.ScalerParams` and
-    the rule's additions), validated at construction with one-line ``ValueError``s.
+    the rule's additions), validated at construction with one-line ``ValueError``s. Each
+    subclass's ``__init__`` carries this as its real ``__signature__`` (derived from its ``Params``
+    by :func:`strategies.params.signature` when the class is defined; what ``inspect.signature``,
+    ``help()`` and IDEs show), and arguments are bound against it: more than GradScaler's six
+    positional ones, or an unknown keyword, is a ``TypeError`` naming the strategy.
 
     A rule declares (class attributes):
 
@@ -86,12 +93,32 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     per_group: ClassVar[bool] = False
     pow2_scales: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give the subclass an ``__init__`` whose ``__signature__`` is its ``Params``' (one
+        thin forwarding function per class, so each class shows its own rule's fields)."""
+        super().__init_subclass__(**kwargs)
+        inherited = cls.__init__
+
+        @functools.wraps(inherited)
+        def __init__(self: Strategy, *args: Any, **kw: Any) -> None:
+            inherited(self, *args, **kw)
+
+        __init__.__signature__ = signature(cls.Params)  # type: ignore[attr-defined]
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # GradScaler.__init__ deliberately not called
+        try:
+            signature(self.Params).bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.name}: {e} (GradScaler's six arguments may be positional, every other "
+                            "one is a keyword)") from None
         self.params = self.Params(*args, **kwargs)
         if self.params.device == "cuda" and self.params.enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.")
             self.params = self.params.replace(enabled=False)  # as GradScaler
-        self._device = None if self.params.device is None else torch.device(self.params.device)
+        self._state_device = None if self.params.device is None else torch.device(self.params.device)
+        self._init_values: dict[str, float | int] = {"scale": self.params.init_scale, "growth_tracker": 0}
         self.state: RuleState | None = None
         self.output_group = 0
         self.updates = 0  # update() calls so far (host counter, saved in state_dict)
@@ -138,7 +165,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         return base_state(self.per_group) + tuple(s for s in self.state_spec if s.present(self.params))
 
     def _lazy_init(self, dev: torch.device) -> None:
-        self.state = RuleState(self._specs(), self.params, self.num_groups, self._device or dev)
+        self.state = RuleState(self._specs(), self.params, self.num_groups, self._state_device or dev)
         if self._pending:
             self.state.load_(self._pending)
             self._pending = {}
@@ -164,6 +191,16 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         from strategies.max_ema import round_down_pow2  # the rule module imports this one
 
         return round_down_pow2(scale) if self.pow2_scales else scale
+
+    def _bounded(self, scale: torch.Tensor) -> torch.Tensor:
+        """A scale set by hand (``update(new_scale)``) kept within ``[min_scale, max_scale]``, as
+        every update keeps it (on the device, no sync): clamped, then rounded down to a power of
+        two for ``pow2_scales`` rules — doubled if that fell below ``min_scale`` (a rule with
+        power-of-two scales validates that one lies within the bounds)."""
+        lo, hi = self.params.min_scale, self.params.max_scale
+        clamped = scale.clamp(min=lo, max=hi) if lo is not None or hi is not None else scale
+        rounded = self._round(clamped)
+        return torch.where(rounded < lo, rounded * 2, rounded) if lo is not None else rounded
 
     def _check_initialized(self, funcname: str) -> RuleState:
         if self.state is None:
@@ -303,14 +340,14 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
         Call once per iteration, after :meth:`step` for every optimizer. ``new_scale`` sets the
         scale directly instead (a float, or a 1-element tensor on the strategy's device type),
-        as GradScaler. No host sync.
+        as GradScaler, clamped into ``[min_scale, max_scale]`` like every update. No host sync.
         """
         if not self.params.enabled:
             return
         state = self._check_initialized("update")
         if new_scale is not None:
             state.set_scale_(new_scale)
-            state.scale.copy_(self._round(state.scale))
+            state.scale.copy_(self._bounded(state.scale))
         else:
             dev = state.scale.device
             found = [t if t.device == dev else t.to(dev, non_blocking=True)
@@ -380,7 +417,12 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             return
         params, updates, values = from_state_dict(self, state_dict)
         self.params, self.updates = params, updates
+        # GradScaler.load_state_dict sets _init_scale / _init_growth_tracker (both validated above)
+        self._init_values = {"scale": float(state_dict["scale"]), "growth_tracker": int(state_dict["_growth_tracker"])}
         if self.state is not None:
             self.state.load_(values)
         else:
             self._pending = values
+
+
+Strategy.__init__.__signature__ = signature(ScalerParams)  # type: ignore[attr-defined]

@@ -1,7 +1,9 @@
 """GradScaler's accessor surface for :class:`strategies.base.Strategy`: the getters and setters,
 ``is_enabled``, and the private members frameworks read from a ``torch.amp.GradScaler``
-(``_scale``, ``_growth_tracker``, ``_enabled``, ``_lazy_init_scale_growth_tracker``, pickling).
-Kept apart so that ``base.py`` is the state machine alone.
+(``_lazy_init_scale_growth_tracker``, pickling, and every instance attribute GradScaler's
+``__init__`` sets — ``_device``, ``_enabled``, ``_init_scale``, ``_scale``, ``_growth_factor``,
+``_backoff_factor``, ``_growth_interval``, ``_init_growth_tracker``, ``_growth_tracker``, with
+``_per_optimizer_states`` set by the base). Kept apart so that ``base.py`` is the state machine alone.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from typing import Any
 
 import torch
 
+from strategies import validation as v
+
 
 class GradScalerAccessors:
     """Mixed into :class:`strategies.base.Strategy` before ``torch.amp.GradScaler``; reads
@@ -17,10 +21,53 @@ class GradScalerAccessors:
 
     params: Any
     state: Any
+    _pending: dict[str, Any]
+    _init_values: dict[str, Any]
+    per_group: bool
+    num_groups: int
 
     _scale = property(lambda self: None if self.state is None else self.state.scale)
     _growth_tracker = property(lambda self: None if self.state is None else self.state.growth_tracker)
     _enabled = property(lambda self: self.params.enabled)
+    # GradScaler's plain attributes, read and written through the validated parameters.
+    _growth_factor = property(lambda self: self.get_growth_factor(), lambda self, v: self.set_growth_factor(v))
+    _backoff_factor = property(lambda self: self.get_backoff_factor(), lambda self, v: self.set_backoff_factor(v))
+    _growth_interval = property(lambda self: self.get_growth_interval(), lambda self, v: self.set_growth_interval(v))
+
+    @property
+    def _device(self) -> str | None:
+        """GradScaler's device string: the ``device`` argument, else (default ``None``: the first
+        scaled tensor's device) the state's device type once initialised."""
+        if self.params.device is not None or self.state is None:
+            return self.params.device
+        return self.state.scale.device.type
+
+    @property
+    def _init_scale(self) -> float:
+        """The scale the state starts from at its lazy initialisation (GradScaler: ``init_scale``,
+        or the loaded state dict's ``scale``). Setting it before the first :meth:`scale` sets
+        that start (validated: finite, > 0, within [min_scale, max_scale]); afterwards it is
+        only recorded, as GradScaler (the live scale is unchanged: use ``update(new_scale)``)."""
+        return self._init_values["scale"]
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._set_init("scale", self.params.replace(init_scale=value).init_scale)
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """The growth tracker the state starts from (GradScaler: 0, or the loaded ``_growth_tracker``);
+        set like :attr:`_init_scale`."""
+        return self._init_values["growth_tracker"]
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._set_init("growth_tracker", v.int_at_least("_init_growth_tracker", value, 0))
+
+    def _set_init(self, key: str, value: float | int) -> None:
+        self._init_values = {**self._init_values, key: value}
+        if self.state is None:  # per-group state: every group starts there
+            self._pending = {**self._pending, key: [value] * self.num_groups if self.per_group else value}
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self.state is None:

@@ -13,14 +13,21 @@ cross-field checks in :meth:`ScalerParams.check`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from strategies import validation as v
 
-__all__ = ["DISTRIBUTED_MODES", "ScalerParams", "hp", "describe"]
+__all__ = ["DISTRIBUTED_MODES", "GRADSCALER_POSITIONAL", "ScalerParams", "hp", "describe", "signature"]
 
 DISTRIBUTED_MODES = ("auto", "off", "replicated", "sharded")
+
+GRADSCALER_POSITIONAL = ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+"""``torch.amp.GradScaler.__init__``'s parameters, in its order: the only ones a strategy takes
+positionally; every other field (``min_scale``, ``max_scale``, the rule's own) is keyword-only."""
 
 
 def hp(default: Any, check: v.Check, source: str = "", doc: str = "") -> Any:
@@ -41,7 +48,10 @@ class ScalerParams:
         growth_interval: integer >= 1; how many clean steps a rule waits before growing.
         enabled: ``False`` makes every method a transparent no-op (``step`` just steps).
         min_scale, max_scale: optional bounds; after every update S is clamped into them (off by
-            default, as torch, so ``native`` stays bit-identical to GradScaler).
+            default, as torch, so ``native`` stays bit-identical to GradScaler). ``init_scale``
+            must lie within them: one outside is **refused** at construction (``init_scale must
+            be within [min_scale=.., max_scale=..], got ..``) rather than clamped, so the first
+            step never runs at a scale outside the bounds and no value is silently changed.
         track_stats: gather gradient statistics on every unscale for telemetry. Rules that read
             them (``needs_stats``) gather them regardless.
         distributed: ``"auto"`` (all-reduce statistics when ``torch.distributed`` is initialised,
@@ -66,6 +76,7 @@ class ScalerParams:
             if check is not None:
                 setattr(self, f.name, check(f.name, getattr(self, f.name)))
         self.check()
+        self.check_init_scale()
 
     def check(self) -> None:
         """Cross-field checks (a subclass calls ``super().check()`` and adds its own)."""
@@ -73,6 +84,13 @@ class ScalerParams:
             raise ValueError(
                 f"min_scale must be <= max_scale, got min_scale={self.min_scale!r} > max_scale={self.max_scale!r}"
             )
+
+    def check_init_scale(self) -> None:
+        """``min_scale <= init_scale <= max_scale`` (where given), after the rule's own checks (a
+        rule may normalise ``init_scale`` there, e.g. ``layerwise`` rounds it to a power of two)."""
+        lo, hi = self.min_scale, self.max_scale
+        if (lo is not None and self.init_scale < lo) or (hi is not None and self.init_scale > hi):
+            v.fail("init_scale", f"within [min_scale={lo!r}, max_scale={hi!r}]", self.init_scale)
 
     def replace(self, **changes: Any) -> "ScalerParams":
         """A validated copy with ``changes`` applied."""
@@ -86,3 +104,25 @@ def describe(params_cls: type[ScalerParams]) -> list[dict[str, Any]]:
          "source": f.metadata.get("source", ""), "doc": f.metadata.get("doc", "")}
         for f in dataclasses.fields(params_cls)
     ]
+
+
+@functools.lru_cache(maxsize=None)
+def signature(params_cls: type[ScalerParams]) -> inspect.Signature:
+    """The constructor signature of a strategy whose hyper-parameters are ``params_cls``:
+    ``(self, device=None, init_scale=..., growth_factor=..., backoff_factor=..., growth_interval=...,
+    enabled=True, *, min_scale=None, max_scale=None, ..., <the rule's own fields>) -> None`` —
+    GradScaler's parameters in GradScaler's order (:data:`GRADSCALER_POSITIONAL`), then every
+    other field keyword-only, in the dataclass's field order, each with the rule's default and type.
+    What ``inspect.signature``, ``help()`` and IDEs show for ``Strategy.__init__``."""
+    try:
+        hints = typing.get_type_hints(params_cls)
+    except (NameError, TypeError):  # an annotation that does not resolve: show it as written
+        hints = {}
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(params_cls):
+        kind = (inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name in GRADSCALER_POSITIONAL
+                else inspect.Parameter.KEYWORD_ONLY)
+        default = f.default if f.default is not dataclasses.MISSING else inspect.Parameter.empty
+        params.append(inspect.Parameter(f.name, kind, default=default, annotation=hints.get(f.name, f.type)))
+    params.sort(key=lambda p: p.kind)  # stable: keeps GradScaler's order, then the dataclass's
+    return inspect.Signature(params, return_annotation=None)

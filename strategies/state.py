@@ -145,10 +145,12 @@ class RuleState:
         self.scale.copy_(new_scale.reshape(()).expand_as(self.scale))
 
     def load_(self, values: dict[str, Any]) -> None:
-        """Copy already :func:`validated` values into the tensors."""
+        """Copy already :func:`validated` values into the tensors (a single value fills every
+        entry: e.g. a scale set before ``attach`` split the strategy into groups)."""
         for name, value in values.items():
             t = getattr(self, name)
-            t.copy_(torch.as_tensor(value, dtype=t.dtype).reshape(t.shape))
+            v = torch.as_tensor(value, dtype=t.dtype)
+            t.copy_(v.reshape(()).expand(t.shape) if v.numel() == 1 else v.reshape(t.shape))
 
 
 def _number(key: str, value: Any, spec: State) -> float | int:

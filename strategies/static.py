@@ -8,8 +8,9 @@ whose ``update`` does nothing): S = ``init_scale`` (default 1024) for the whole 
   counted in ``skipped_steps``; **S does not change** — no backoff, ever;
 * S never grows; ``growth_factor``, ``backoff_factor`` and ``growth_interval`` are accepted (and
   validated) as GradScaler's keywords but unused;
-* ``min_scale``/``max_scale`` clamp S once, at the first update, if ``init_scale`` lies outside;
-  ``update(new_scale)`` sets S by hand, as GradScaler.
+* ``init_scale`` outside ``[min_scale, max_scale]`` is refused at construction (one
+  ``ValueError``, :class:`strategies.params.ScalerParams`): a fixed scale is never changed
+  silently; ``update(new_scale)`` sets S by hand, as GradScaler (then clamped into the bounds).
 
 Weakness, kept visible: too large a fixed S overflows on every step (training stops moving), too
 small a one lets small gradients underflow; nothing corrects either.

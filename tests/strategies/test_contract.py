@@ -339,3 +339,40 @@ def test_load_state_dict_validates_everything_before_changing_anything(
         s.load_state_dict(bad)
     assert s.state_dict() == before
     assert s.get_growth_factor() == before["growth_factor"] and s.get_growth_interval() == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bounds,shown", [(dict(min_scale=2.0**9), "min_scale=512.0, max_scale=None"),
+                                          (dict(min_scale=None, max_scale=2.0**7), "min_scale=None, max_scale=128.0"),
+                                          (dict(min_scale=2.0**2, max_scale=2.0**7), "min_scale=4.0, max_scale=128.0")])
+def test_init_scale_outside_the_bounds_is_refused_at_construction(name: str, bounds: dict, shown: str) -> None:
+    """The first step must not run at a scale outside [min_scale, max_scale] (the clamp only
+    comes with the first update): refused, one line naming init_scale and the range."""
+    with pytest.raises(ValueError) as e:
+        strategies.create(name, init_scale=2.0**8, **bounds)
+    assert str(e.value) == f"init_scale must be within [{shown}], got 256.0"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_init_scale_on_a_bound_is_the_first_steps_scale(name: str) -> None:
+    for lo, hi in ((2.0**8, None), (None, 2.0**8), (2.0**8, 2.0**8)):
+        model, opt, s = setup(name, init_scale=2.0**8, min_scale=lo, max_scale=hi)
+        s.attach(model)
+        x, y = batch(0)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        assert torch.equal(s.scale(loss), loss * 2.0**8)  # the first step's scale, before any update
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_scale_set_by_hand_stays_within_the_bounds(name: str, as_tensor: bool) -> None:
+    """``update(new_scale)`` (GradScaler's manual override) is an update: S stays within
+    [min_scale, max_scale] like after every other one; inside them it is taken as given."""
+    lo, hi = 2.0**4, 2.0**12
+    model, opt, s = setup(name, init_scale=2.0**8, min_scale=lo, max_scale=hi)
+    s.attach(model)
+    one_step(model, opt, s, 0)
+    for wanted, expected in ((2.0**20, hi), (2.0**-3, lo), (2.0**6, 2.0**6)):
+        s.update(torch.tensor(wanted) if as_tensor else wanted)
+        assert s.get_scale() == expected
+        assert all(lo <= x <= hi for x in s.state.scale.reshape(-1).tolist())

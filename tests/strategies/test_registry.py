@@ -57,3 +57,30 @@ def test_a_new_file_is_discovered_with_no_other_edit(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     lines = out.stdout.strip().splitlines()
     assert "fixed" in lines[0].split(",") and lines[1] == "fixed"
+
+
+def test_a_new_rule_gets_the_constructor_signature_of_its_own_params() -> None:
+    """Declaring ``Params`` is all a rule does: its ``__init__`` shows GradScaler's parameters
+    and its own fields (no hand-written list), and binds arguments against them."""
+    import dataclasses
+    import inspect
+
+    from strategies.params import ScalerParams, hp
+    from strategies.validation import finite_positive
+
+    @dataclasses.dataclass
+    class FixedParams(ScalerParams):
+        level: float = hp(3.0, finite_positive, "test", "a rule's own field")
+
+    class Fixed(strategies.Strategy):
+        Params = FixedParams
+
+    sig = inspect.signature(Fixed.__init__)
+    assert list(sig.parameters)[:7] == ["self", "device", "init_scale", "growth_factor", "backoff_factor",
+                                        "growth_interval", "enabled"]
+    assert sig.parameters["level"].default == 3.0 and sig.parameters["level"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert Fixed(level=5.0).params.level == 5.0
+    with pytest.raises(TypeError, match="unexpected keyword argument 'levle'"):
+        Fixed(levle=5.0)
+    # the parent's signature is its own, not the child's
+    assert "level" not in inspect.signature(strategies.Strategy.__init__).parameters

@@ -29,8 +29,10 @@ def test_trajectory_table(init: float, flags: list[int], scales: list[float], sk
     assert s.state_dict()["skipped_steps"] == skipped
 
 
-def test_bounds_clamp_the_fixed_scale_once_and_manual_update_sets_it() -> None:
-    s = strategies.create("static", init_scale=1024.0, max_scale=256.0)
+def test_bounds_refuse_a_fixed_scale_outside_them_and_manual_update_sets_it() -> None:
+    with pytest.raises(ValueError, match=r"^init_scale must be within \[min_scale=None, max_scale=256.0\], got 1024.0$"):
+        strategies.create("static", init_scale=1024.0, max_scale=256.0)
+    s = strategies.create("static", init_scale=256.0, max_scale=256.0)
     assert drive(s, [0, 1, 0]) == [256.0, 256.0, 256.0]
     s.update(64.0)
     assert drive(s, [1, 0]) == [64.0, 64.0]
