@@ -14,8 +14,12 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   and why; :mod:`analysis.when`), also the first table of the verdict;
 * ``figures/*.png``.
 
-Prints the path of ``report.html``. Exit code 2 with a one-line error when a directory is
-missing or holds no run records.
+Prints the path of ``report.html``, and each bad record (a file or directory that could not be
+read, or only in part, or held bad values; :attr:`analysis.runset.RunSet.problems`) on stderr as
+``scalelab-report: bad record: <path>: <reason>``; they are listed in the report too. Exit code
+2 with a one-line error when a directory is missing or holds no run records. Reading is bounded
+per file and in all (``docs/report.md``, "Any directory tree"); CSV cells that a spreadsheet
+would run as formulas are made inert (:func:`analysis.text.write_csv`).
 """
 
 from __future__ import annotations

@@ -209,12 +209,12 @@ class Builder:
     by the reader of its files) are also summed up in its ``issues``.
     """
 
-    def __init__(self, max_rows: int = MAX_STEP_ROWS) -> None:
+    def __init__(self, max_rows: int | None = None) -> None:
         self.rows: dict[str, list[dict[str, Any]]] = {
             name: [] for name in ("runs", "train", "evals", "fidelity", "layers",
                                   "group_scales", "exp_hist")}
         self.problems: list[str] = []
-        self.max_rows = max_rows
+        self.max_rows = MAX_STEP_ROWS if max_rows is None else max_rows
         self.n_rows = 0
 
     def add_run(self, run_id: str, run_dir: str, raw_summary: Mapping[str, Any] | None,

@@ -106,10 +106,12 @@ def inert_cell(x: object) -> object:
 
 def write_csv(df: pd.DataFrame, path: str | Path) -> None:
     """``df.to_csv(path, index=False)`` with every string cell (and column name) made inert
-    (:func:`inert_cell`): strategy names, errors and paths come from run records."""
+    (:func:`inert_cell`): strategy names, errors and paths come from run records. Lines end in
+    CRLF (RFC 4180), so that a cell holding a lone CR is quoted too (pandas quotes only the
+    characters of the line terminator) and cannot start a row of its own."""
     out = df.copy()
     for col in out.columns:
         if not pd.api.types.is_numeric_dtype(out[col]) and not pd.api.types.is_bool_dtype(out[col]):
             out[col] = out[col].map(inert_cell)
     out.columns = [inert_cell(c) for c in out.columns]
-    out.to_csv(path, index=False)
+    out.to_csv(path, index=False, lineterminator="\r\n")
