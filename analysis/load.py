@@ -58,6 +58,8 @@ class RecordError(OSError):
 
 
 def _size(n: int) -> str:
+    if n < MiB:
+        return f"{n} bytes"
     return f"{n / MiB:.1f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
 
@@ -150,43 +152,48 @@ def iter_metrics(path: str | os.PathLike[str], problems: list[str] | None = None
         if problems is not None:
             problems.append(f"{path}: unreadable metrics ({_why(exc)}); no step data")
         return
+    def over(what: str) -> None:
+        if problems is not None:
+            problems.append(f"{path}: over the {_size(max_bytes)} read limit; {what} ignored")
+
     with fh:
-        while True:
-            if read >= max_bytes:
-                if fh.read(1) and problems is not None:
-                    problems.append(f"{path}: over the {_size(max_bytes)} read limit; lines "
-                                    f"after line {lineno} ignored")
-                break
-            try:
+        try:
+            while True:
+                if read >= max_bytes:
+                    if fh.read(1):
+                        over(f"lines after line {lineno}")
+                    break
                 raw = fh.readline(min(max_line, max_bytes - read) + 1)
-            except OSError as exc:
-                if problems is not None:
-                    problems.append(f"{path}:{lineno + 1}: read error ({_why(exc)}); "
-                                    "the rest ignored")
-                break
-            if not raw:
-                break
-            lineno += 1
-            read += len(raw)
-            if len(raw) > max_line or (not raw.endswith(b"\n") and read >= max_bytes):
-                while raw and not raw.endswith(b"\n") and read < max_bytes:  # skip the rest
-                    raw = fh.readline(min(MiB, max_bytes - read))
-                    read += len(raw)
-                bad(f"line longer than {_size(max_line)} skipped")
-                continue
-            text = raw.strip()
-            if not text:
-                continue
-            try:
-                obj = parse_json(text)
-            except (ValueError, RecursionError) as exc:
-                bad(f"corrupt line skipped ({getattr(exc, 'msg', None) or 'nested too deep'})")
-                continue
-            why = line_problem(obj)
-            if why is None:
-                yield obj
-            else:
-                bad(f"line skipped ({why})")
+                if not raw:
+                    break
+                lineno += 1
+                read += len(raw)
+                if len(raw) > max_line:
+                    while raw and not raw.endswith(b"\n") and read < max_bytes:  # skip the rest
+                        raw = fh.readline(min(MiB, max_bytes - read))
+                        read += len(raw)
+                    bad(f"line longer than {_size(max_line)} skipped")
+                    continue
+                if not raw.endswith(b"\n") and read >= max_bytes and fh.read(1):
+                    over(f"line {lineno} (cut there) and later lines")
+                    break
+                text = raw.strip()
+                if not text:
+                    continue
+                try:
+                    obj = parse_json(text)
+                except (ValueError, RecursionError) as exc:
+                    bad("corrupt line skipped "
+                        f"({getattr(exc, 'msg', None) or 'nested too deep'})")
+                    continue
+                why = line_problem(obj)
+                if why is None:
+                    yield obj
+                else:
+                    bad(f"line skipped ({why})")
+        except OSError as exc:  # an I/O error mid-file (a failing disk, a vanished mount)
+            if problems is not None:
+                problems.append(f"{path}:{lineno}: read error ({_why(exc)}); the rest ignored")
     if problems is not None and skipped > MAX_LINE_PROBLEMS:
         problems.append(f"{path}: {skipped - MAX_LINE_PROBLEMS} more corrupt lines skipped")
 
