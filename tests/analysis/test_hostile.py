@@ -19,10 +19,13 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.figure import Figure as MplFigure
 
 from analysis import runset
+from analysis.figures.common import MAX_BAND_POINTS, band_plot
 from analysis.load import load_runs
 from analysis.report import main
 from tests.analysis.synth import SweepSpec, write_sweep
@@ -598,3 +601,17 @@ def test_1000_seeds_in_one_cell_in_bounded_memory(tmp_path):
     res = pd.read_csv(tmp_path / "out" / "results.csv").set_index(["precision", "strategy"])
     assert res.loc[("fp16", "max_ema"), "n_completed"] == 1000
     assert peak < MAX_RSS_KIB, f"peak RSS {peak / 1024:.0f} MiB"
+
+
+def test_band_plots_draw_a_bounded_number_of_steps():
+    """A run of 5000 logged steps is drawn at MAX_BAND_POINTS steps spread over it, first and
+    last included (seaborn bootstraps a band at every x: 40k steps took minutes)."""
+    steps = np.arange(1, 5001)
+    df = pd.DataFrame({"step": np.concatenate([steps, steps]), "loss": np.r_[steps, steps] * 1.0,
+                       "strategy": ["a"] * 5000 + ["b"] * 5000})
+    fig = MplFigure()
+    ax = fig.add_subplot()
+    band_plot(ax, df, "step", "loss", "strategy", {"a": "C0", "b": "C1"})
+    for line in ax.get_lines()[:2]:
+        xs = line.get_xdata()
+        assert len(xs) == MAX_BAND_POINTS and xs[0] == 1 and xs[-1] == 5000
