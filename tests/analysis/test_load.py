@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from analysis import runset
 from analysis.load import (RunLoadError, iter_metrics, load_runs, load_wandb,
                            wandb_rows_to_lines)
 from tests.analysis.synth import LAYERS, WORKLOAD, SweepSpec, write_sweep
@@ -262,3 +263,26 @@ def test_metrics_read_limits_keep_every_whole_line_before_them(tmp_path: Path):
         problems: list[str] = []
         got = list(iter_metrics(path, problems, max_bytes=max_bytes, max_line=max_line))
         assert (len(got), problems) == (kept, said), (max_bytes, max_line)
+
+
+def test_tables_built_in_chunks_equal_tables_built_at_once(tmp_path: Path, monkeypatch):
+    """Issue 20: the per-step tables are turned into DataFrames every CHUNK_ROWS rows (memory);
+    the result is the same as one DataFrame of every row, dtypes included (a column missing
+    from a whole chunk but a number elsewhere is still a float column)."""
+    root = tmp_path / "s"
+    write_sweep(root, SweepSpec(fidelity_every=10))
+    path = root / "0" / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+    for line in lines:
+        line.setdefault("probe_time_s", 0.5)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    whole = load_runs(root)
+    assert whole.train["probe_time_s"].dtype == float
+    monkeypatch.setattr(runset, "CHUNK_ROWS", 7)
+    chunked = load_runs(root)
+    for name in ("train", "evals", "fidelity", "layers", "group_scales", "exp_hist"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert len(a) > 7 or name in ("evals", "fidelity"), name
+        assert set(a.columns) == set(b.columns), name
+        pd.testing.assert_frame_equal(a, b[a.columns])
+    pd.testing.assert_frame_equal(whole.runs, chunked.runs)
