@@ -478,7 +478,6 @@ def test_3gib_sparse_records_are_read_only_up_to_their_limits(tmp_path, capsys):
     assert len(rs.problems) == 4
 
 
-@pytest.mark.slow
 def test_3gib_sparse_records_in_bounded_memory(tmp_path):
     root = _sparse_sweep(tmp_path)
     rc, stdout, stderr, peak = _run_report(root, tmp_path / "out")
