@@ -14,8 +14,12 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   and why; :mod:`analysis.when`), also the first table of the verdict;
 * ``figures/*.png``.
 
-Prints the path of ``report.html``. Exit code 2 with a one-line error when a directory is
-missing or holds no run records.
+Prints the path of ``report.html``, and each bad record (a file or directory that could not be
+read, or only in part, or held bad values; :attr:`analysis.runset.RunSet.problems`) on stderr as
+``scalelab-report: bad record: <path>: <reason>``; they are listed in the report too. Exit code
+2 with a one-line error when a directory is missing or holds no run records. Reading is bounded
+per file and in all (``docs/report.md``, "Any directory tree"); CSV cells that a spreadsheet
+would run as formulas are made inert (:func:`analysis.text.write_csv`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from analysis.stats import N_BOOT, SEED
 from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
                              compare_to_baseline, compare_to_reference, rank_strategies,
                              summarize)
-from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct
+from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct, write_csv
 from analysis.verdict import cell_verdict, overall_verdict, phrase
 from analysis.when import order_text, table_rows, which_strategy_when
 
@@ -145,12 +149,16 @@ def results_table(summary: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | Path | None = None,
-                 *, n_boot: int = N_BOOT) -> Path:
+                 *, n_boot: int = N_BOOT, problems: list[str] | None = None) -> Path:
     """Write the report for ``run_dirs`` into ``out``; return the path of ``report.html``.
 
-    Raises :class:`analysis.load.RunLoadError` for a missing/empty directory.
+    The bad records (:attr:`analysis.runset.RunSet.problems`, one line each) are listed in the
+    report and appended to ``problems`` when given. Raises :class:`analysis.load.RunLoadError`
+    for a missing/empty directory.
     """
     rs = load_runs(list(run_dirs))
+    if problems is not None:
+        problems.extend(rs.problems)
     out = Path(out)
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -163,10 +171,10 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     when = which_strategy_when(rs.runs, comps)
     bench_df, bench_note = load_bench(bench)
 
-    results_table(summary, ranks).to_csv(out / "results.csv", index=False)
-    comps.to_csv(out / "comparisons.csv", index=False)
-    when.to_csv(out / "which_strategy_when.csv", index=False)
-    rs.runs.to_csv(out / "runs.csv", index=False)
+    write_csv(results_table(summary, ranks), out / "results.csv")
+    write_csv(comps, out / "comparisons.csv")
+    write_csv(when, out / "which_strategy_when.csv")
+    write_csv(rs.runs, out / "runs.csv")
 
     doc = Document("scalelab comparison report")
     n_status = rs.runs["status"].value_counts()
@@ -240,9 +248,10 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     else:
         doc.p("Every run completed.")
     if rs.problems:
-        doc.p(f"**Data problems** ({len(rs.problems)}), skipped while loading:")
-        doc.bullets([code(p, max_chars=300) for p in rs.problems[:50]]
-                    + ([f"… and {len(rs.problems) - 50} more"] if len(rs.problems) > 50 else []))
+        doc.p(f"**Bad records** ({len(rs.problems)}): each file or directory that could not be "
+              "read, or only in part, or held values of the wrong type, with the reason; what "
+              "it lacked was skipped while loading (limits: docs/report.md).")
+        doc.bullets([code(p, max_chars=300) for p in rs.problems])
 
     doc.h(1, "Figures")
     notes: list[str] = []
@@ -292,6 +301,11 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     return html_path
 
 
+def _one_line(text: str) -> str:
+    """``text`` on one line (control characters as spaces), at most 300 characters."""
+    return code(text, max_chars=300)[1:-1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``scalelab-report``."""
     parser = argparse.ArgumentParser(
@@ -310,11 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.n_boot < 1:
         print(f"scalelab-report: error: --n-boot must be >= 1, got {args.n_boot}", file=sys.stderr)
         return 2
+    problems: list[str] = []
     try:
-        path = build_report(args.run_dirs, args.out, args.bench, n_boot=args.n_boot)
+        path = build_report(args.run_dirs, args.out, args.bench, n_boot=args.n_boot,
+                            problems=problems)
     except RunLoadError as exc:
         print(f"scalelab-report: error: {exc}", file=sys.stderr)
         return 2
+    for line in problems:
+        print(f"scalelab-report: bad record: {_one_line(line)}", file=sys.stderr)
     print(path)
     return 0
 

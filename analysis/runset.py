@@ -16,6 +16,12 @@ Tables of a :class:`RunSet` (one row per …):
 * ``group_scales`` (run, step, scale group) for per-group strategies (``layerwise``);
 * ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram.
 
+Bounds: strings longer than :data:`MAX_TEXT` characters are cut (``… [N chars]``); the per-step
+tables of all runs together hold at most :data:`MAX_STEP_ROWS` rows (lines past it are not
+tabulated, and said); an integer in a record beyond float range (``|x| >= 2**1024``, or more
+digits than Python parses) is read by :func:`parse_json` as :data:`OUT_OF_RANGE` and counted as
+a bad value like a wrong type.
+
 Statuses after loading: ``completed``, ``diverged``, ``failed``, ``incomplete`` (no summary, or
 still ``running``), or any other status word a writer used (e.g. ``stalled``), kept as written;
 only ``completed`` runs enter the statistics.
@@ -23,8 +29,10 @@ only ``completed`` runs enter the statistics.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -32,8 +40,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import pandas as pd
 
 from experiments.schema import (EVAL_FIELDS, FIDELITY_FIELDS, KIND_EVAL, KIND_FIDELITY,
-                                KIND_TRAIN, SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, Field,
-                                coerce)
+                                KIND_TRAIN, METRICS_NAME, SUMMARY_FIELDS, SUMMARY_NAME,
+                                TRAIN_FIELDS, Field, coerce)
 
 from analysis.targets import COLUMN as TARGET_COLUMN
 from analysis.targets import steps_to_target
@@ -58,6 +66,50 @@ FIDELITY_SCALARS = tuple(k for k, f in FIDELITY_FIELDS.items()
 ID_COLUMNS = ("run_id", "strategy", "precision", "workload", "seed", "status")
 
 _STATUS_WORD = re.compile(r"[a-z][a-z_]{0,23}")
+
+#: Longest string kept from a record (strategy, error, …); longer ones are cut.
+MAX_TEXT = 1000
+#: Longest layer or scale-group name kept (they label figure axes).
+MAX_NAME = 100
+#: Most rows of the per-step tables (train, evals, fidelity, layers, group_scales, exp_hist)
+#: of all runs together: the report's peak stays near 1 GB (1.09 GB measured, train rows only).
+MAX_STEP_ROWS = 1_000_000
+#: Rows of one per-step table kept as dicts before they become a DataFrame chunk (a dict row
+#: takes several times the memory of a DataFrame row).
+CHUNK_ROWS = 100_000
+
+
+class OutOfRange:
+    """A JSON integer no float can hold: what :func:`parse_json` reads in its place (it is not a
+    number to :func:`experiments.schema.coerce`, so it becomes ``None`` and is counted)."""
+
+    def __repr__(self) -> str:
+        return "<integer beyond float range>"
+
+
+OUT_OF_RANGE = OutOfRange()
+_HUGE = " (beyond float range)"  # marks such a key in the counters of coerce_fields
+
+
+def _parse_int(text: str) -> int | OutOfRange:
+    if len(text) > 320:  # more digits than any float (and than Python's 4300-digit limit)
+        return OUT_OF_RANGE
+    value = int(text)
+    return value if abs(value) <= sys.float_info.max else OUT_OF_RANGE
+
+
+def parse_json(data: bytes | str) -> Any:
+    """``json.loads`` of untrusted record text: bytes that are not UTF-8 are replaced, an
+    integer beyond float range becomes :data:`OUT_OF_RANGE`; ``NaN``/``Infinity`` are kept (a
+    diverged loss). Raises ``ValueError`` (``json.JSONDecodeError``) or ``RecursionError``."""
+    if isinstance(data, bytes):
+        data = data.decode("utf-8", errors="replace")
+    return json.loads(data, parse_int=_parse_int)
+
+
+def cut(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}… [{len(text)} chars]"
 
 
 class RunLoadError(ValueError):
@@ -92,17 +144,28 @@ def coerce_fields(fields: Mapping[str, Field], raw: Mapping[str, Any], bad: Coun
             continue
         value = raw[name]
         out[name] = coerce(f, value)
-        if value is not None and out[name] is None:
+        if isinstance(value, OutOfRange):
+            bad[name + _HUGE] += 1
+        elif value is not None and out[name] is None:
             bad[name] += 1
+        elif isinstance(out[name], str):
+            out[name] = cut(out[name])
         elif f.type == "float_map" and isinstance(value, Mapping) and len(out[name]) < len(value):
             bad[name] += 1
     return out
 
 
 def describe_bad(where: str, bad: Counter) -> str:
-    """``"summary.json: wrong type for seed, strategy (ignored)"`` — one line for a record."""
-    keys = ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(bad.items()))
-    return f"{where}: wrong type for {keys} (ignored)"
+    """``"summary.json: wrong type for seed, strategy (ignored)"`` — one line for a record
+    (``integer beyond float range for …`` for the keys :func:`coerce_fields` marked so)."""
+    def keys(items: list[tuple[str, int]]) -> str:
+        return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(items))
+
+    huge = [(k.removesuffix(_HUGE), n) for k, n in bad.items() if k.endswith(_HUGE)]
+    wrong = [(k, n) for k, n in bad.items() if not k.endswith(_HUGE)]
+    parts = ([f"wrong type for {keys(wrong)}"] if wrong else []) + \
+        ([f"integer beyond float range for {keys(huge)}"] if huge else [])
+    return f"{where}: {'; '.join(parts)} (ignored)"
 
 
 def line_problem(obj: Any) -> str | None:
@@ -142,24 +205,32 @@ class Builder:
     """Accumulates rows of every table while runs are read one after another.
 
     ``add_run`` takes raw (untrusted) records: the summary as parsed from JSON (or ``None``),
-    the metrics lines as parsed objects, and a best-effort ``identity`` (e.g. from Hydra's
-    overrides) used where the summary lacks a key. It never raises on record contents.
+    the metrics lines as parsed objects (any iterable: it is consumed once, and not past the row
+    budget ``max_rows``), and a best-effort ``identity`` (e.g. from Hydra's overrides) used
+    where the summary lacks a key. It never raises on record contents. Every bad record is one
+    line of :attr:`problems`; a run's own lines (from index ``problems_from`` on, e.g. written
+    by the reader of its files) are also summed up in its ``issues``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int | None = None) -> None:
         self.rows: dict[str, list[dict[str, Any]]] = {
             name: [] for name in ("runs", "train", "evals", "fidelity", "layers",
                                   "group_scales", "exp_hist")}
+        self.chunks: dict[str, list[pd.DataFrame]] = {name: [] for name in self.rows}
         self.problems: list[str] = []
+        self.max_rows = MAX_STEP_ROWS if max_rows is None else max_rows
+        self.n_rows = 0
 
     def add_run(self, run_id: str, run_dir: str, raw_summary: Mapping[str, Any] | None,
                 lines: Iterable[Mapping[str, Any]], identity: Mapping[str, Any] | None = None,
-                issues: Sequence[str] = ()) -> None:
+                issues: Sequence[str] = (), problems_from: int | None = None) -> None:
         issues = list(issues)
+        found: list[str] = []  # bad values found here, one line each for ``problems``
         bad: Counter = Counter()
         summary = None if raw_summary is None else coerce_fields(SUMMARY_FIELDS, raw_summary, bad)
         if bad:
             issues.append(describe_bad("summary", bad))
+            found.append(describe_bad(f"{run_dir}/{SUMMARY_NAME}", bad))
         src = {k: v for k, v in coerce_fields(SUMMARY_FIELDS, identity or {}, Counter()).items()
                if v is not None}
         src.update({k: v for k, v in (summary or {}).items() if v is not None})
@@ -181,9 +252,20 @@ class Builder:
                           "not compared")
         ident = {k: rec[k] for k in ID_COLUMNS}
         line_bad: Counter = Counter()
-        counts, zero_fracs, sub_fracs, last_eval = self._add_lines(ident, lines, line_bad)
+        counts, zero_fracs, sub_fracs, last_eval, cut_at = self._add_lines(ident, lines,
+                                                                           line_bad)
         if line_bad:
             issues.append(describe_bad("metrics", line_bad))
+            found.append(describe_bad(f"{run_dir}/{METRICS_NAME}", line_bad))
+        if cut_at is not None:
+            why = (f"per-step tables full ({self.max_rows} rows in all): metrics lines "
+                   + (f"from step {cut_at} on " if cut_at >= 0 else "") + "not tabulated")
+            issues.append(why)
+            found.append(f"{run_dir}/{METRICS_NAME}: {why}")
+        if problems_from is not None and len(self.problems) > problems_from:
+            new = [p.split(": ", 1)[-1] for p in self.problems[problems_from:]]
+            issues.insert(0, new[0] + (f" (+{len(new) - 1} more)" if len(new) > 1 else ""))
+        self.problems.extend(found)
         rec["n_train_lines"], rec["n_eval_lines"] = counts[KIND_TRAIN], counts[KIND_EVAL]
         rec["act_zero_frac_mean"] = _finite_mean(zero_fracs)
         rec["act_subnormal_frac_mean"] = _finite_mean(sub_fracs)
@@ -192,8 +274,29 @@ class Builder:
         rec["issues"] = "; ".join(issues) or None
         self.rows["runs"].append(rec)
 
+    def _append(self, table: str, row: dict[str, Any]) -> None:
+        rows = self.rows[table]
+        rows.append(row)
+        self.n_rows += 1
+        if len(rows) >= CHUNK_ROWS:
+            self.chunks[table].append(pd.DataFrame(rows))
+            self.rows[table] = []
+
+    def _table(self, name: str) -> pd.DataFrame:
+        """All rows of a per-step table: its chunks and the rows since, dtypes inferred over
+        all of them (as one DataFrame of every row would)."""
+        rest = [pd.DataFrame(self.rows[name])] if self.rows[name] or not self.chunks[name] \
+            else []
+        frames = self.chunks[name] + rest
+        if len(frames) == 1:
+            return frames[0]
+        return pd.concat(frames, ignore_index=True).infer_objects()
+
     def _add_lines(self, ident: dict[str, Any], lines: Iterable[Mapping[str, Any]],
-                   bad: Counter) -> tuple[Counter, list[float], list[float], float | None]:
+                   bad: Counter
+                   ) -> tuple[Counter, list[float], list[float], float | None, int | None]:
+        """Tabulate ``lines``; the last item is ``None``, or the step of the first line not
+        tabulated because the row budget is spent (``-1`` when none was read)."""
         counts: Counter = Counter()
         zero_fracs: list[float] = []
         sub_fracs: list[float] = []
@@ -201,7 +304,13 @@ class Builder:
         tables = {KIND_TRAIN: (TRAIN_FIELDS, TRAIN_SCALARS, "train"),
                   KIND_EVAL: (EVAL_FIELDS, EVAL_SCALARS, "evals"),
                   KIND_FIDELITY: (FIDELITY_FIELDS, FIDELITY_SCALARS, "fidelity")}
+        if self.n_rows >= self.max_rows:
+            return counts, zero_fracs, sub_fracs, last_eval, -1
         for raw in lines:
+            if self.n_rows >= self.max_rows:
+                step = coerce(TRAIN_FIELDS["step"], raw.get("step")) \
+                    if isinstance(raw, Mapping) else None
+                return counts, zero_fracs, sub_fracs, last_eval, -1 if step is None else step
             if line_problem(raw) is not None:
                 bad["line"] += 1
                 continue
@@ -211,14 +320,14 @@ class Builder:
             counts[raw["kind"]] += 1
             row = dict(ident, step=step)
             row.update({k: _cell(line.get(k)) for k in scalars if k != "kind"})
-            self.rows[table].append(row)
+            self._append(table, row)
             if raw["kind"] == KIND_EVAL:
                 last_eval = row.get("eval_loss")
             elif raw["kind"] == KIND_TRAIN:
                 self._add_layers(ident, step, line, zero_fracs, sub_fracs)
                 self._add_group_scales(ident, step, line)
                 self._add_hist(ident, step, line.get("act_exp_hist"), bad)
-        return counts, zero_fracs, sub_fracs, last_eval
+        return counts, zero_fracs, sub_fracs, last_eval, None
 
     def _add_layers(self, ident: dict[str, Any], step: int, line: Mapping[str, Any],
                     zero_fracs: list[float], sub_fracs: list[float]) -> None:
@@ -229,9 +338,9 @@ class Builder:
             if mean is not None:
                 out.append(mean)
         for order, layer in enumerate(dict.fromkeys([*zero, *sub])):
-            self.rows["layers"].append(dict(ident, step=step, layer=layer, layer_order=order,
-                                            act_zero_frac=zero.get(layer),
-                                            act_subnormal_frac=sub.get(layer)))
+            self._append("layers", dict(ident, step=step, layer=cut(layer, MAX_NAME),
+                                        layer_order=order, act_zero_frac=zero.get(layer),
+                                        act_subnormal_frac=sub.get(layer)))
 
     def _add_group_scales(self, ident: dict[str, Any], step: int, line: Mapping[str, Any]
                           ) -> None:
@@ -242,8 +351,8 @@ class Builder:
         if not names or len(names) != len(scales):
             names = [f"group{i}" for i in range(len(scales))]
         for order, (name, value) in enumerate(zip(names, scales)):
-            self.rows["group_scales"].append(dict(ident, step=step, group=name,
-                                                  group_order=order, scale=value))
+            self._append("group_scales", dict(ident, step=step, group=cut(name, MAX_NAME),
+                                              group_order=order, scale=value))
 
     def _add_hist(self, ident: dict[str, Any], step: int, hist: Mapping[str, Any] | None,
                   bad: Counter) -> None:
@@ -258,12 +367,12 @@ class Builder:
         values = [_as_float(c) for c in counts]
         for i, c in enumerate(values):
             if c:
-                self.rows["exp_hist"].append(dict(ident, step=step, exponent=lo + i, count=c,
-                                                  zeros=zeros))
+                self._append("exp_hist", dict(ident, step=step, exponent=lo + i, count=c,
+                                              zeros=zeros))
         # Keep the zeros of a histogram with no nonzero bins too (all gradients underflowed).
         if not any(values):
-            self.rows["exp_hist"].append(dict(ident, step=step, exponent=None, count=0.0,
-                                              zeros=zeros))
+            self._append("exp_hist", dict(ident, step=step, exponent=None, count=0.0,
+                                          zeros=zeros))
 
     def build(self, sources: Sequence[str]) -> RunSet:
         runs = pd.DataFrame(self.rows["runs"])
@@ -273,7 +382,8 @@ class Builder:
         order = {"train": ["step"], "evals": ["step"], "fidelity": ["step"],
                  "layers": ["step", "layer_order"], "group_scales": ["step", "group_order"],
                  "exp_hist": ["step", "exponent"]}
-        tables = {name: _frame(self.rows[name], ["run_id", *keys]) for name, keys in order.items()}
+        tables = {name: _frame(self._table(name), ["run_id", *keys])
+                  for name, keys in order.items()}
         if not runs.empty:
             runs[TARGET_COLUMN] = steps_to_target(runs, tables["train"])
         return RunSet(runs=runs, problems=list(self.problems), sources=list(sources), **tables)
@@ -283,8 +393,7 @@ def _sort_key(col: pd.Series) -> pd.Series:
     return col.astype(str) if col.name != "seed" else pd.to_numeric(col, errors="coerce")
 
 
-def _frame(rows: list[dict[str, Any]], order: list[str]) -> pd.DataFrame:
-    df = pd.DataFrame(rows)
+def _frame(df: pd.DataFrame, order: list[str]) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=[*ID_COLUMNS, *order[1:]])
     return df.sort_values(order, na_position="first").reset_index(drop=True)

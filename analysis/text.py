@@ -4,13 +4,15 @@ Strategy, workload, layer and run names, error messages and file paths come from
 careless or hostile hand may have written. :func:`code` is the one place they enter report text:
 as an inline code span, which neither Markdown (HTML tags, ``$`` math, emphasis) nor the HTML
 renderer of :mod:`analysis.document` (which escapes ``<&>`` first) interprets. Figures turn
-mathtext off instead (:func:`analysis.figures.figure_rc`).
+mathtext off instead (:func:`analysis.figures.figure_rc`); CSV files are written through
+:func:`write_csv`, which makes cells a spreadsheet would run as formulas inert.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -90,3 +92,26 @@ def human(n: float) -> str:
 
 def is_pct(col: str) -> bool:
     return col.endswith("_frac") or col.endswith("_frac_mean")
+
+
+#: First characters that make a spreadsheet read a cell as a formula (OWASP, "CSV Injection").
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def inert_cell(x: object) -> object:
+    """A string that a spreadsheet would run as a formula, prefixed with ``'``; anything else
+    (numbers, negative ones included) unchanged."""
+    return "'" + x if isinstance(x, str) and x.startswith(FORMULA_START) else x
+
+
+def write_csv(df: pd.DataFrame, path: str | Path) -> None:
+    """``df.to_csv(path, index=False)`` with every string cell (and column name) made inert
+    (:func:`inert_cell`): strategy names, errors and paths come from run records. Lines end in
+    CRLF (RFC 4180), so that a cell holding a lone CR is quoted too (pandas quotes only the
+    characters of the line terminator) and cannot start a row of its own."""
+    out = df.copy()
+    for col in out.columns:
+        if not pd.api.types.is_numeric_dtype(out[col]) and not pd.api.types.is_bool_dtype(out[col]):
+            out[col] = out[col].map(inert_cell)
+    out.columns = [inert_cell(c) for c in out.columns]
+    out.to_csv(path, index=False, lineterminator="\r\n")

@@ -153,7 +153,10 @@ SUMMARY_FIELDS = _fields(
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range (|x| >= 2**1024) is not a usable number
+        return None
 
 
 def coerce(field: Field, value: Any) -> Any:

@@ -146,14 +146,24 @@ def finite(df: pd.DataFrame, col: str) -> pd.DataFrame:
     return out
 
 
+#: Most distinct x values (logged steps) one band plot draws; a longer run is drawn at this
+#: many steps spread evenly over it (first and last included), so the figure's time is bounded.
+MAX_BAND_POINTS = 400
+
+
 def band_plot(ax: Any, df: pd.DataFrame, x: str, y: str, hue: str, pal: Mapping[str, Any],
               step: bool = False, n_boot: int = 200) -> None:
     """One mean line per ``hue`` value with seaborn's 95 % percentile-bootstrap band over runs
     at each ``x`` (``errorbar=("ci", 95)``, seed fixed; 200 resamples: a band over a handful of
-    seeds at every step, drawn, not read — the tables' intervals use 2000)."""
+    seeds at every step, drawn, not read — the tables' intervals use 2000), at no more than
+    :data:`MAX_BAND_POINTS` values of ``x``."""
     data = df.dropna(subset=[y])
     if data.empty:
         return
+    xs = np.sort(data[x].dropna().unique())
+    if xs.size > MAX_BAND_POINTS:
+        keep = xs[np.unique(np.linspace(0, xs.size - 1, MAX_BAND_POINTS).round().astype(int))]
+        data = data[data[x].isin(keep)]
     kw: dict[str, Any] = {"drawstyle": "steps-post", "err_kws": {"step": "post"}} if step else {}
     sns.lineplot(data=data, x=x, y=y, hue=hue, palette=pal, errorbar=("ci", 95), n_boot=n_boot,
                  seed=SEED, lw=1.4, ax=ax, **kw)

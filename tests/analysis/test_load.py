@@ -9,7 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.load import RunLoadError, load_runs, load_wandb, wandb_rows_to_lines
+from analysis import runset
+from analysis.load import (RunLoadError, iter_metrics, load_runs, load_wandb,
+                           wandb_rows_to_lines)
 from tests.analysis.synth import LAYERS, WORKLOAD, SweepSpec, write_sweep
 
 
@@ -236,3 +238,51 @@ def test_analysis_keys_come_from_the_schema():
     for m in METRICS:
         assert (m.column in SUMMARY_FIELDS or m.column.removesuffix("_mean") in TRAIN_FIELDS
                 or m.column == COLUMN), m
+
+
+def test_metrics_read_limits_keep_every_whole_line_before_them(tmp_path: Path):
+    """Issue 20: the per-line and per-file limits of metrics.jsonl. A line over the line limit
+    is skipped and named; the file limit stops reading, naming the line where it cut; a file
+    that ends exactly at the limit loses nothing and says nothing."""
+    path = tmp_path / "metrics.jsonl"
+    line = json.dumps({"kind": "train", "step": 1, "loss": 1.0}) + "\n"
+    n = len(line)
+    cases = [  # (content, max_bytes, max_line) -> (lines kept, problems)
+        (line * 3, 3 * n, 1000, 3, []),
+        (line * 3, 2 * n + 5, 1000, 2,
+         [f"{path}: over the {2 * n + 5} bytes read limit; line 3 (cut there) and later lines "
+          "ignored"]),
+        (line * 3, 2 * n, 1000, 2,
+         [f"{path}: over the {2 * n} bytes read limit; lines after line 2 ignored"]),
+        (line + "x" * 100 + "\n" + line, 10_000, 50, 2,
+         [f"{path}:2: line longer than 50 bytes skipped"]),
+        (line * 2 + line[:-1], 3 * n - 1, 1000, 3, []),
+    ]
+    for content, max_bytes, max_line, kept, said in cases:
+        path.write_text(content, encoding="utf-8")
+        problems: list[str] = []
+        got = list(iter_metrics(path, problems, max_bytes=max_bytes, max_line=max_line))
+        assert (len(got), problems) == (kept, said), (max_bytes, max_line)
+
+
+def test_tables_built_in_chunks_equal_tables_built_at_once(tmp_path: Path, monkeypatch):
+    """Issue 20: the per-step tables are turned into DataFrames every CHUNK_ROWS rows (memory);
+    the result is the same as one DataFrame of every row, dtypes included (a column missing
+    from a whole chunk but a number elsewhere is still a float column)."""
+    root = tmp_path / "s"
+    write_sweep(root, SweepSpec(fidelity_every=10))
+    path = root / "0" / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+    for line in lines:
+        line.setdefault("probe_time_s", 0.5)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    whole = load_runs(root)
+    assert whole.train["probe_time_s"].dtype == float
+    monkeypatch.setattr(runset, "CHUNK_ROWS", 7)
+    chunked = load_runs(root)
+    for name in ("train", "evals", "fidelity", "layers", "group_scales", "exp_hist"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert len(a) > 7 or name in ("evals", "fidelity"), name
+        assert set(a.columns) == set(b.columns), name
+        pd.testing.assert_frame_equal(a, b[a.columns])
+    pd.testing.assert_frame_equal(whole.runs, chunked.runs)
