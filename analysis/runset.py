@@ -17,7 +17,7 @@ Tables of a :class:`RunSet` (one row per …):
 * ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram.
 
 Statuses after loading: ``completed``, ``diverged``, ``failed``, ``incomplete`` (no summary, or
-still ``running``), or any other status word a writer used (e.g. ``stalled``), kept as written;
+still ``running``, or ``requeued`` by SLURM: pending), or any other status word a writer used (e.g. ``stalled``), kept as written;
 only ``completed`` runs enter the statistics.
 """
 
@@ -124,7 +124,7 @@ def classify(summary: Mapping[str, Any] | None) -> str:
     status = summary.get("status")
     if status == "diverged" or summary.get("diverged") is True:
         return "diverged"
-    if status in (None, "running"):
+    if status in (None, "running", "requeued"):  # requeued: the job runs again (pending, not failed)
         return "incomplete"
     return status if _STATUS_WORD.fullmatch(status) else "unknown"
 
