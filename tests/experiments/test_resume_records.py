@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ import experiments.loop as loop
 from analysis.load import load_runs
 from experiments import schema
 from experiments.build import ConfigError
-from tests.experiments.runs import QUIET, TINY, cli, read_rows, run_tiny
+from tests.experiments.runs import QUIET, REPO, TINY, cli, read_rows, run_tiny
 
 TIMING = ("step_time_s", "strategy_time_s")
 
@@ -215,6 +220,89 @@ def test_a_sys_exit_outside_the_preemption_handler_is_a_failure(tmp_path: Path, 
         run_tiny(tmp_path, *REQUEUE)
     summary = json.loads((tmp_path / schema.SUMMARY_NAME).read_text())
     assert summary["status"] == "failed" and summary["error"] == "SystemExit: -1"
+
+
+def _slurm_answers() -> bool:
+    """``sbatch`` is installed and a SLURM controller answers ``sinfo``."""
+    if shutil.which("sbatch") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _wait(what: str, check, launcher: subprocess.Popen, log: Path, timeout: float = 300.0):
+    """Poll ``check()`` until it returns something truthy, while ``launcher`` runs (``timeout``: a
+    hang guard, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        if launcher.poll() is not None:
+            raise AssertionError(f"the sweep ended before {what}: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} after {timeout:.0f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _slurm_answers(), reason="needs a SLURM cluster: sbatch, and a controller that answers sinfo")
+def test_a_job_slurm_requeues_says_requeued_then_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Real SLURM (e.g. a single-node cluster: ``apt-get install slurm-wlm munge``): a sweep job
+    preempted with ``scancel --signal=USR2`` is requeued by submitit; until it runs again its
+    summary says ``requeued``, then it resumes from its checkpoint and completes."""
+    sweep, steps = tmp_path / "sweep", 3000
+    args = ["-m", *TINY["mlp"], *QUIET, f"train.steps={steps}", "train.log_every=20", "train.eval_every=0",
+            "train.checkpoint_every=100", "train.lr_decay=constant", "hydra/launcher=slurm",
+            "hydra.launcher.gpus_per_task=null", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1",
+            f"hydra.sweep.dir={sweep}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled")
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
+    run_dir, job = sweep / "0", None
+    try:
+        job = _wait("submitit job folder", lambda: [p.name for p in (sweep / ".submitit").glob("*")]
+                    if (sweep / ".submitit").is_dir() else None, launcher, log)[0]
+        _wait("train line at step >= 200", lambda: [r for r in _train_so_far(run_dir) if r["step"] >= 200],
+              launcher, log)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=60)
+        summary = _wait("requeued summary", lambda: _summary_if(run_dir, "requeued"), launcher, log, timeout=120)
+        at, resume = map(int, re.fullmatch(r"SIGUSR2 at step (\d+) \(preemption or time limit\): submitit requeued "
+                                           r"the job, which resumes from step (\d+)", summary["error"]).groups())
+        assert 200 <= resume <= at < steps and resume % 100 == 0
+        assert list(load_runs(run_dir).runs["status"]) == ["incomplete"]  # pending, not failed
+        assert "Restarts=1" in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                                              timeout=60).stdout
+        # SLURM holds a requeued job ~2 minutes (BeginTime); let it start now.
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, timeout=60)
+        assert launcher.wait(timeout=600) == 0, log.read_text()[-2000:]
+    finally:
+        if launcher.poll() is None:
+            if job is not None:
+                subprocess.run(["scancel", job], timeout=60)
+            launcher.kill()
+    final = json.loads((run_dir / schema.SUMMARY_NAME).read_text())
+    assert final["status"] == "completed" and final["steps"] == steps
+    assert [r["step"] for r in read_rows(run_dir) if r["kind"] == "train"] == list(range(20, steps + 1, 20))
+
+
+def _summary_if(run_dir: Path, status: str) -> dict | None:
+    """The run's summary once it says ``status`` (``None`` before, or while it is being replaced)."""
+    try:
+        summary = json.loads((run_dir / schema.SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == status else None
+
+
+def _train_so_far(run_dir: Path) -> list[dict]:
+    """The train lines written so far (none while the file does not exist)."""
+    try:
+        return [r for r in read_rows(run_dir) if r["kind"] == "train"]
+    except (OSError, ValueError):
+        return []
 
 
 # ------------------------------------------------------------------ 4. forward overflow
