@@ -95,8 +95,10 @@ def check_schedule(old: dict, new: dict, done: int, where: Path) -> None:
     lr = (new.get("optimizer") or {}).get("lr")
     base = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else 1.0
     decay = str(tnew.get("lr_decay", "constant"))
+    if decay == "constant":
+        return  # lr_at does not read steps then (and the loop below would run over every step)
     args = (int(tnew.get("lr_warmup", 0)), decay, float(tnew.get("min_lr_ratio", 1.0)))
-    for t in range(1, done + 1):
+    for t in range(1, done + 1):  # a cosine difference shows by step lr_warmup + 2: the loop ends early
         x, y = recipe.lr_at(t, a, base, *args), recipe.lr_at(t, b, base, *args)
         if x != y:
             raise ConfigError(
@@ -192,7 +194,8 @@ class RunDir:
                 raise AppError(str(exc)) from None
         self.check_same_run(config, state)
         recorded = self.recorded_config(state) if state is not None else None
-        if state is not None and recorded is not None and not finished(state, int((config.get("train") or {}).get("steps", 0))):
+        steps = int((config.get("train") or {}).get("steps", 0))
+        if state is not None and recorded is not None and not finished(state, steps):
             check_schedule(recorded, config, int(state["step"]), self.path)
         return state
 

@@ -66,7 +66,8 @@ def test_a_changed_steps_is_refused_before_hydra_writes(tmp_path: Path) -> None:
     result = cli(*TINY["mlp"], *QUIET, *COSINE, "train.steps=15", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("scalelab-train: error: train.steps changed (10 -> 15)"), result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("scalelab-train: error: train.steps changed (10 -> 15)")
     assert not (tmp_path / ".hydra").exists() and _records(tmp_path) == before
 
 
@@ -313,10 +314,11 @@ OVERFLOW = ["precision=fp16", "model.init_scale=1e4", "train.steps=20", "train.e
 @pytest.mark.parametrize("init_scale", ["1", "65536"])
 @pytest.mark.parametrize("stop,at", [(["train.log_every=50", "train.max_consecutive_skips=6"], 6),  # the stall check
                                      (["train.log_every=3", "train.max_consecutive_skips=100"], 3)])  # a logged loss
-def test_a_forward_overflow_is_called_so_not_a_collapsed_scale(tmp_path: Path, stop: list, at: int, init_scale: str) -> None:
+def test_a_forward_overflow_is_called_so_not_a_collapsed_scale(tmp_path: Path, stop: list, at: int,
+                                                               init_scale: str) -> None:
     summary, rows = run_tiny(tmp_path, *OVERFLOW, *stop, "strategy=static", f"strategy.init_scale={init_scale}")
     assert summary["status"] == "stalled" and summary["steps"] == at and summary["skipped_steps"] == at
-    assert summary["error"].startswith(f"forward overflow: the loss is non-finite before scaling (")
+    assert summary["error"].startswith("forward overflow: the loss is non-finite before scaling (")
     assert f"at step {at}, the last of {at} skipped steps in a row" in summary["error"]
     assert "collapsed" not in summary["error"] and "\n" not in summary["error"] and summary["diverged"] is False
 
