@@ -224,11 +224,9 @@ def test_a_sys_exit_outside_the_preemption_handler_is_a_failure(tmp_path: Path, 
 
 
 def _slurm_answers() -> bool:
-    """``sbatch`` is installed and a SLURM controller answers ``sinfo``."""
-    if shutil.which("sbatch") is None:
-        return False
+    """A SLURM controller answers ``sinfo``."""
     try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -247,11 +245,13 @@ def _wait(what: str, check, launcher: subprocess.Popen, log: Path, timeout: floa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _slurm_answers(), reason="needs a SLURM cluster: sbatch, and a controller that answers sinfo")
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs a SLURM cluster (sbatch)")
 def test_a_job_slurm_requeues_says_requeued_then_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     """Real SLURM (e.g. a single-node cluster: ``apt-get install slurm-wlm munge``): a sweep job
     preempted with ``scancel --signal=USR2`` is requeued by submitit; until it runs again its
     summary says ``requeued``, then it resumes from its checkpoint and completes."""
+    if not _slurm_answers():
+        pytest.skip("sbatch is installed but no SLURM controller answers sinfo")
     sweep, steps = tmp_path / "sweep", 3000
     args = ["-m", *TINY["mlp"], *QUIET, f"train.steps={steps}", "train.log_every=20", "train.eval_every=0",
             "train.checkpoint_every=100", "train.lr_decay=constant", "hydra/launcher=slurm",
