@@ -12,14 +12,14 @@ Per step (nanoGPT-style plain code, the GradScaler recipe of seed 001/002):
 4. optional clipping, ``strategy.step(optimizer)`` (skips on non-finite gradients),
    ``strategy.update()``.
 
-Telemetry (strategy tensors, per-layer activation-gradient statistics) is read from the device
-only on logging steps (every ``train.log_every``) and flattened generically
-(``experiments/telemetry.py``). A divergence, a collapsed scale or a forward overflow stops the
-run as ``diverged`` or ``stalled``; an exception is recorded as ``failed`` (``requeued`` when
-submitit requeues the job) and re-raised (``experiments/stops.py``). Checkpoints every
-``train.checkpoint_every`` steps and at the end; re-running in the same directory with the same configuration resumes from the
-checkpoint (``experiments/rundir.py`` says what a run directory guarantees). Records go through
-``experiments/records.py`` (the schema's files and keys), mirrors through the configured loggers.
+Telemetry (strategy tensors, per-layer activation-gradient statistics) is read from the device only
+on logging steps (every ``train.log_every``) and flattened generically
+(``experiments/telemetry.py``). A divergence, a collapsed scale or a forward overflow stops the run
+as ``diverged`` or ``stalled``; an exception ends it as ``failed`` (``requeued`` when submitit
+requeues the job), then re-raised (``experiments/stops.py``). Checkpoints every
+``train.checkpoint_every`` steps and at the end; re-running in the same directory with the same
+configuration resumes from the checkpoint (``experiments/rundir.py`` says what a run directory
+guarantees). Records go through ``experiments/records.py``, mirrors through the configured loggers.
 """
 
 from __future__ import annotations
