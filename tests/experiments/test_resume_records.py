@@ -264,8 +264,9 @@ def test_a_job_slurm_requeues_says_requeued_then_resumes_from_its_checkpoint(tmp
                                     stdout=out, stderr=subprocess.STDOUT)
     run_dir, job = sweep / "0", None
     try:
-        job = _wait("submitit job folder", lambda: [p.name for p in (sweep / ".submitit").glob("*")]
-                    if (sweep / ".submitit").is_dir() else None, launcher, log)[0]
+        job = _wait("submitit job folder", lambda: [p.name for p in (sweep / ".submitit").glob("*")  # <job id>[_<task>]
+                                                    if p.is_dir() and re.fullmatch(r"\d+(_\d+)?", p.name)],
+                    launcher, log)[0]
         _wait("train line at step >= 200", lambda: [r for r in _train_so_far(run_dir) if r["step"] >= 200],
               launcher, log)
         subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=60)
