@@ -23,7 +23,7 @@ digits than Python parses) is read by :func:`parse_json` as :data:`OUT_OF_RANGE`
 a bad value like a wrong type.
 
 Statuses after loading: ``completed``, ``diverged``, ``failed``, ``incomplete`` (no summary, or
-still ``running``), or any other status word a writer used (e.g. ``stalled``), kept as written;
+still ``running``, or ``requeued`` by SLURM: pending), or any other status word a writer used (e.g. ``stalled``), kept as written;
 only ``completed`` runs enter the statistics.
 """
 
@@ -187,7 +187,7 @@ def classify(summary: Mapping[str, Any] | None) -> str:
     status = summary.get("status")
     if status == "diverged" or summary.get("diverged") is True:
         return "diverged"
-    if status in (None, "running"):
+    if status in (None, "running", "requeued"):  # requeued: the job runs again (pending, not failed)
         return "incomplete"
     return status if _STATUS_WORD.fullmatch(status) else "unknown"
 

@@ -12,15 +12,14 @@ Per step (nanoGPT-style plain code, the GradScaler recipe of seed 001/002):
 4. optional clipping, ``strategy.step(optimizer)`` (skips on non-finite gradients),
    ``strategy.update()``.
 
-Telemetry (strategy tensors, per-layer activation-gradient statistics) is read from the device
-only on logging steps (every ``train.log_every``) and flattened generically
-(``experiments/telemetry.py``). Divergence (a logged loss that is non-finite or above
-``train.divergence_loss``) stops the run with status ``diverged``; ``train.max_consecutive_skips``
-skipped steps in a row (a collapsed scale) stop it with status ``stalled``; an exception is
-recorded as ``failed`` and re-raised. Checkpoints every ``train.checkpoint_every`` steps and at
-the end; re-running in the same directory with the same configuration resumes from the
-checkpoint (``experiments/rundir.py`` says what a run directory guarantees). Records go through
-``experiments/records.py`` (the schema's files and keys), mirrors through the configured loggers.
+Telemetry (strategy tensors, per-layer activation-gradient statistics) is read from the device only
+on logging steps (every ``train.log_every``) and flattened generically
+(``experiments/telemetry.py``). A divergence, a collapsed scale or a forward overflow stops the run
+as ``diverged`` or ``stalled``; an exception ends it as ``failed`` (``requeued`` when submitit
+requeues the job), then re-raised (``experiments/stops.py``). Checkpoints every
+``train.checkpoint_every`` steps and at the end; re-running in the same directory with the same
+configuration resumes from the checkpoint (``experiments/rundir.py`` says what a run directory
+guarantees). Records go through ``experiments/records.py``, mirrors through the configured loggers.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
-from experiments import distributed as dist, fidelity, recipe, records, schema, telemetry
+from experiments import distributed as dist, fidelity, preemption, recipe, records, schema, stops, telemetry
 from experiments.build import (
     AppError,
     ConfigError,
@@ -124,12 +123,8 @@ def _resume_and_train(
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
     state = rundir.resume_state(resolved, resume)
-    # Re-running a finished run changes nothing (raise train.steps to continue a completed one);
-    # without a checkpoint (train.checkpoint_every=0) the summary says whether it finished.
-    last = state if state is not None else records.read_json(rundir.path / schema.SUMMARY_NAME) if resume else {}
-    status, at = last.get("status"), last.get("step", last.get("steps"))
-    if status in ("diverged", "stalled") or (status == "completed" and isinstance(at, int) and at >= int(tcfg.steps)):
-        _say(f"{rundir.path} already {status} at step {at}")
+    if (last := rundir.finished_record(state, resume, int(tcfg.steps))) is not None:  # re-running it changes nothing
+        _say(f"{rundir.path} already {last.get('status')} at step {last.get('step', last.get('steps'))}")
         return records.read_json(rundir.path / schema.SUMMARY_NAME)
 
     prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
@@ -210,8 +205,8 @@ def _train(
 
         strategy.set_reference(reference_loss, params)
 
-    # Records (rank 0 only): earlier records of another run moved aside, or the metrics truncated
-    # to the checkpoint so the resumed record has no duplicates (and no malformed lines).
+    # Records (rank 0 only): a start at step 0 moves any earlier record aside (replaced-<n>/), a
+    # resume truncates the metrics to the checkpoint (no duplicates, no malformed lines).
     metrics_path, summary_path = out_dir / schema.METRICS_NAME, out_dir / schema.SUMMARY_NAME
     head = {**names, "seed": seed, "sweep": str(cfg.sweep)}
     fingerprint = records.fingerprint(resolved, overrides, str(device))
@@ -224,8 +219,9 @@ def _train(
                 "diverged": status == "diverged", "fingerprint": fingerprint}
 
     if main:
-        if not tcfg.get("resume", True) and rundir.has_record():
-            _say(f"train.resume=false: the earlier records of {out_dir} are now in {rundir.move_aside()}")
+        if state is None and rundir.has_record():  # nothing a new start would overwrite is lost
+            why = "train.resume=false" if not tcfg.get("resume", True) else "no checkpoint to resume from"
+            _say(f"{why}: {out_dir} starts at step 0; its earlier records are now in {rundir.move_aside()}")
         later, malformed = records.truncate_metrics(metrics_path, start_step)
         if later or malformed:
             _say(f"resuming {out_dir} at step {start_step}: dropped {later} line(s) of {schema.METRICS_NAME} "
@@ -244,7 +240,10 @@ def _train(
         for logger in loggers:
             logger.log(row)
 
+    saved_at = start_step  # the step a restart resumes from
+
     def save_checkpoint(step: int, status: str) -> None:
+        nonlocal saved_at
         if main and int(tcfg.checkpoint_every) > 0:
             ckpt.save(
                 out_dir / schema.CHECKPOINT_NAME,
@@ -253,6 +252,7 @@ def _train(
                  "strategy": strategy.state_dict(), "rng": ckpt.capture_rng(), "data_position": step,
                  "counters": dict(counters), "loss_window": (loss_sum.detach().cpu().clone(), loss_count)},
             )
+            saved_at = step
 
     steps = int(tcfg.steps)
     log_every, hist_every = int(tcfg.log_every), int(tcfg.hist_every)
@@ -271,6 +271,7 @@ def _train(
     show = bool(tcfg.get("progress", True)) and main and sys.stderr.isatty()
     bar = tqdm(total=steps, initial=start_step, disable=not show, desc=names["strategy"], dynamic_ncols=True)
     step = start_step
+    watch = preemption.RequeueWatch()
     try:
         model.train()
         for step in range(start_step + 1, steps + 1):
@@ -345,9 +346,9 @@ def _train(
                 row.update(lr=float(optimizer.param_groups[0]["lr"]), step_time_s=step_time, strategy_time_s=t_strat)
                 emit(row)
                 bar.set_postfix(loss=f"{loss_val:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
-                if not math.isfinite(loss_val) or loss_val > float(tcfg.divergence_loss):
-                    status = "diverged"
-                    error = f"training loss {loss_val} at step {step} is non-finite or above train.divergence_loss={tcfg.divergence_loss}"
+                if (stop := stops.logged_loss(loss_val, step, counters["skipped_steps"], tcfg.divergence_loss,
+                                              names["precision"])) is not None:
+                    status, error = stop
                     break
             hooks.measure = False
 
@@ -355,14 +356,12 @@ def _train(
                 ev = _evaluate(model, data, precision, device, int(tcfg.eval_batches))
                 emit({"kind": schema.KIND_EVAL, "step": step, **ev})
                 last_eval_step = step
-                if not math.isfinite(ev["eval_loss"]):
-                    status, error = "diverged", f"eval loss is non-finite at step {step}"
+                if (stop := stops.eval_loss(ev["eval_loss"], step)) is not None:
+                    status, error = stop
                     break
             if max_skips and counters["consecutive_skips"] >= max_skips:
-                status = "stalled"
-                error = (f"the strategy skipped {max_skips} steps in a row (steps {step - max_skips + 1}-{step}, "
-                         f"non-finite gradients; scale now {float(strategy.get_scale()):.3g}): the loss scale has "
-                         "collapsed (train.max_consecutive_skips)")
+                status, error = stops.skipped_in_a_row(float(loss.detach()), step, max_skips,  # one read, at the stop
+                                                       float(strategy.get_scale()), names["precision"])
                 break
             if ckpt_every and step % ckpt_every == 0 and step < steps:
                 save_checkpoint(step, "running")
@@ -376,17 +375,17 @@ def _train(
             if last_eval_step != step:
                 ev = _evaluate(model, data, precision, device, int(tcfg.eval_batches))
                 emit({"kind": schema.KIND_EVAL, "step": step, **ev})
-                if not math.isfinite(ev["eval_loss"]):
-                    status, error = "diverged", f"eval loss is non-finite at step {step}"
+                status, error = stops.eval_loss(ev["eval_loss"], step) or (status, error)
             if status == "running":
                 status = "completed"
         save_checkpoint(step, status)
         exit_code = 0
     except BaseException as exc:
-        status, error = "failed", one_line(f"{type(exc).__name__}: {exc}")
+        status, error = stops.exception(exc, watch.signal_name, step, saved_at)
         raise
     finally:
-        # The one place the final summary is written (completed, diverged, stalled or failed).
+        # The one place the final summary is written (completed, diverged, stalled, requeued or failed).
+        watch.close()
         bar.close()
         writer.close()
         hooks.remove()

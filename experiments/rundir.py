@@ -6,8 +6,13 @@
 * **Same run only.** The run records its configuration (``summary.json``'s
   ``fingerprint.config``, and the checkpoint's ``config``). Re-running into the directory with a
   configuration that differs in any key but :data:`NOT_IDENTITY` is refused, naming the keys.
-* **Nothing lost.** ``train.resume=false`` starts over there, after moving the earlier records to
-  ``replaced-<n>/`` (each renamed ``<name>.old``, so no reader takes them for a run).
+* **Same schedule.** ``train.steps`` may change on resume only when the learning rates of the
+  steps already run stay those of a run of the new length (:func:`check_schedule`), so a resumed
+  run is, step for step, the run of the new length.
+* **Nothing lost.** A run that starts at step 0 in a directory holding any record (``train.resume=
+  false``, or no checkpoint to resume from: ``train.checkpoint_every=0``, a deleted checkpoint)
+  first moves the earlier records to ``replaced-<n>/`` (each renamed ``<name>.old``, so no reader
+  takes them for a run).
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from experiments import checkpoint as ckpt
-from experiments import schema
+from experiments import recipe, schema
 from experiments.build import AppError, ConfigError
 from experiments.records import read_json, redact
 
-__all__ = ["NOT_IDENTITY", "RunDir", "config_diff", "identity"]
+__all__ = ["NOT_IDENTITY", "RunDir", "check_schedule", "config_diff", "finished", "identity"]
 
 NOT_IDENTITY = ("train.steps", "train.resume", "train.kill_at_step", "train.progress", "threads", "logger", "tags")
 """Config keys (and their sub-keys) a resumed run may change: how long, how it is shown and
@@ -62,6 +67,47 @@ def config_diff(old: dict, new: dict, limit: int = 6) -> str:
     if len(keys) > limit:
         parts.append(f"and {len(keys) - limit} more")
     return ", ".join(parts)
+
+
+def finished(record: dict, steps: int) -> bool:
+    """Whether the run whose latest record is ``record`` (its checkpoint, else its summary) needs
+    no more training for a ``steps``-step run: it diverged, stalled, or completed at ``steps`` or
+    beyond. A finished run is left alone when re-run."""
+    status, at = record.get("status"), record.get("step", record.get("steps"))
+    return status in ("diverged", "stalled") or (status == "completed" and isinstance(at, int) and at >= steps)
+
+
+def check_schedule(old: dict, new: dict, done: int, where: Path) -> None:
+    """Refuse (one-line ``ConfigError``) a change of ``train.steps`` that changes the learning
+    rate of a step already run.
+
+    A run resumed after ``done`` steps with ``train.steps`` changed from ``N`` to ``M`` must be
+    the ``M``-step run: its steps ``1..done`` ran at ``lr_at(t, N)`` (``experiments/recipe.py``),
+    which are the ``M``-step run's rates only if ``lr_at(t, N) == lr_at(t, M)`` for every
+    ``t <= done`` (compared exactly, at the configured base rate). That holds for
+    ``train.lr_decay=constant`` and, for ``cosine`` (whose decay spans ``steps - lr_warmup``
+    steps), only while the run is still in its warmup; otherwise the change is refused.
+    """
+    told, tnew = old.get("train") or {}, new.get("train") or {}
+    a, b = told.get("steps"), tnew.get("steps")
+    if a == b or not isinstance(a, int) or not isinstance(b, int):
+        return
+    lr = (new.get("optimizer") or {}).get("lr")
+    base = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else 1.0
+    decay = str(tnew.get("lr_decay", "constant"))
+    if decay == "constant":
+        return  # lr_at does not read steps then (and the loop below would run over every step)
+    args = (int(tnew.get("lr_warmup", 0)), decay, float(tnew.get("min_lr_ratio", 1.0)))
+    for t in range(1, done + 1):  # a cosine difference shows by step lr_warmup + 2: the loop ends early
+        x, y = recipe.lr_at(t, a, base, *args), recipe.lr_at(t, b, base, *args)
+        if x != y:
+            raise ConfigError(
+                f"train.steps changed ({a} -> {b}) but the learning-rate schedule depends on it "
+                f"(train.lr_decay={decay}): steps 1-{done} in {where} ran on the {a}-step schedule (step {t}: "
+                f"lr {x:.6g}, a {b}-step run has {y:.6g}), so continuing would not be a {b}-step run; keep "
+                f"train.steps={a}, or run {b} steps in another hydra.run.dir or here with train.resume=false "
+                f"(the earlier records are moved to {where}/{schema.REPLACED_PREFIX}<n>/)"
+            )
 
 
 class RunDir:
@@ -135,7 +181,9 @@ class RunDir:
 
     def resume_state(self, config: dict, resume: bool) -> dict | None:
         """The checkpoint to resume from (``None``: start at step 0), once the directory is known to
-        hold this run. ``AppError``: an unreadable checkpoint; ``ConfigError``: another run."""
+        hold this run and, unless that run is finished, :func:`check_schedule` accepts a changed
+        ``train.steps``. ``AppError``: an unreadable checkpoint; ``ConfigError``: another run, or
+        a ``train.steps`` the learning-rate schedule cannot follow."""
         if not resume:
             return None
         state = None
@@ -145,7 +193,17 @@ class RunDir:
             except ckpt.CheckpointError as exc:
                 raise AppError(str(exc)) from None
         self.check_same_run(config, state)
+        recorded = self.recorded_config(state) if state is not None else None
+        steps = int((config.get("train") or {}).get("steps", 0))
+        if state is not None and recorded is not None and not finished(state, steps):
+            check_schedule(recorded, config, int(state["step"]), self.path)
         return state
+
+    def finished_record(self, state: dict | None, resume: bool, steps: int) -> dict | None:
+        """The latest record (checkpoint ``state``, else the summary: ``train.checkpoint_every=0``)
+        of a run here that :func:`finished` for ``steps`` steps, else ``None``."""
+        last = state if state is not None else read_json(self.path / schema.SUMMARY_NAME) if resume else {}
+        return last if finished(last, steps) else None
 
     def check_same_run(self, config: dict, checkpoint: dict | None) -> None:
         """Refuse (one line) a directory holding a record of another configuration, or of an unknown one."""

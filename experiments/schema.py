@@ -11,7 +11,7 @@ A run directory holds::
                      or FIDELITY_FIELDS (kind "fidelity", every train.fidelity_every steps)
     checkpoint.pt    model, optimizer, strategy, RNG, step, config (torch.load(weights_only=True))
     run.lock         held (flock) by the one process writing this directory, for the run's lifetime
-    replaced-<n>/    the records of an earlier run moved aside by ``train.resume=false``, renamed
+    replaced-<n>/    the records of an earlier run moved aside by a start at step 0, renamed
                      ``<name>.old`` so that readers never take them for a run of their own
 
 :func:`coerce` turns one untrusted value into its field's type or ``None`` (never raises): what a
@@ -52,10 +52,14 @@ KIND_TRAIN = "train"
 KIND_EVAL = "eval"
 KIND_FIDELITY = "fidelity"
 
-STATUSES = ("running", "completed", "diverged", "failed", "stalled")
+STATUSES = ("running", "completed", "diverged", "failed", "stalled", "requeued")
 """``summary.json`` ``status`` values. ``running`` on disk after the process ended means the run was
-killed; readers call such a run ``incomplete``. ``stalled``: the strategy skipped
-``train.max_consecutive_skips`` steps in a row (the scale collapsed); ``error`` says so."""
+killed; readers call such a run ``incomplete``. ``stalled``: the run stopped making progress, and
+``error`` says why: the strategy skipped ``train.max_consecutive_skips`` steps in a row (the scale
+collapsed), or ``forward overflow: ...`` (the loss itself was non-finite before scaling, on a
+skipped step: no scale can help). ``requeued``: a submitit/SLURM job stopped by its preemption
+signal and requeued; it resumes from its checkpoint, so readers count it as pending (like
+``running``), not as failed."""
 
 
 @dataclass(frozen=True)

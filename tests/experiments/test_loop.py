@@ -101,11 +101,14 @@ def test_an_exception_is_recorded_as_failed_and_reraised(tmp_path: Path, monkeyp
 
 
 def test_resume_continues_without_duplicates_and_a_finished_run_is_left_alone(tmp_path: Path) -> None:
-    first, _ = run_tiny(tmp_path, "train.steps=20", "train.log_every=5", "train.checkpoint_every=10")
+    # A constant rate: a longer run may continue this one (a cosine schedule would be refused,
+    # tests/experiments/test_resume_records.py).
+    args = ("train.log_every=5", "train.checkpoint_every=10", "train.lr_decay=constant")
+    first, _ = run_tiny(tmp_path, "train.steps=20", *args)
     before = (tmp_path / "metrics.jsonl").read_text()
-    again, _ = run_tiny(tmp_path, "train.steps=20", "train.log_every=5", "train.checkpoint_every=10")
+    again, _ = run_tiny(tmp_path, "train.steps=20", *args)
     assert (tmp_path / "metrics.jsonl").read_text() == before and again == json.loads(json.dumps(first))
-    longer, rows = run_tiny(tmp_path, "train.steps=30", "train.log_every=5", "train.checkpoint_every=10")
+    longer, rows = run_tiny(tmp_path, "train.steps=30", *args)
     steps = [(r["kind"], r["step"]) for r in rows]
     assert len(steps) == len(set(steps))
     assert [s for k, s in steps if k == "train"] == [5, 10, 15, 20, 25, 30]
