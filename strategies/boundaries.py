@@ -348,6 +348,7 @@ class Boundaries:
         trace = self.trace
         if trace is not None:
             trace.closed = True
+            reached(_tensors(output), _any)  # in-place ops on the last calls' views, inside the forward
             for u in list(self._users):
                 if u.on_end is not None:
                     _timed(u, u.on_end, trace)

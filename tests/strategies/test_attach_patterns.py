@@ -89,6 +89,18 @@ def test_gradient_penalty_with_unscale_grads_equals_gradscaler(kw: dict) -> None
         torch.amp.GradScaler("cpu", init_scale=2.0**10), mlp(0), x, y * 0 + 5, helper=False)))
 
 
+def test_gradient_penalty_with_underflow_target_is_gradscalers_recipe() -> None:
+    """A global scale: GradScaler's own recipe (1 / get_scale()) is exact."""
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.randn(16, 2)
+    want = penalty_grads(torch.amp.GradScaler("cpu", init_scale=2.0**10), mlp(0), x, y, helper=False)
+    model = mlp(0)
+    s = strategies.create("underflow_target", init_scale=2.0**10).attach(model)
+    got = penalty_grads(s, model, x, y, helper=False)
+    for g, w in zip(got, want):  # second-order terms: same maths, other summation order
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    s.detach()
+
+
 def test_naive_gradient_penalty_is_refused_at_get_scale_and_unscale() -> None:
     model = mlp(0)
     s = strategies.create("layerwise").attach(model)
