@@ -23,12 +23,7 @@ from strategies.boundaries import Boundaries
 LAYERWISE = [{}, {"rule": "backoff_growth"}, {"rule": "adaloss"}]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.strategies.test_layerwise import one_thread  # noqa: F401  (autouse: one thread)
 
 
 def set_scales(s, scales: list[float]) -> None:
@@ -245,7 +240,20 @@ def conv3x3(i: int, o: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(i, o, 3, stride, 1, bias=False)
 
 
-class BasicBlock(nn.Module):
+class Residual(nn.Module):
+    """The tail both torchvision blocks share: ``out += identity`` (``downsample(x)`` when the
+    shape changes), then the in-place ReLU."""
+
+    downsample: nn.Module | None
+    relu: nn.Module
+
+    def add_identity(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class BasicBlock(Residual):
     """torchvision.models.resnet.BasicBlock."""
 
     expansion = 1
@@ -258,16 +266,11 @@ class BasicBlock(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
         out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
+        return self.add_identity(x, self.bn2(self.conv2(out)))
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(Residual):
     """torchvision.models.resnet.Bottleneck."""
 
     expansion = 4
@@ -282,14 +285,9 @@ class Bottleneck(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
+        return self.add_identity(x, self.bn3(self.conv3(out)))
 
 
 class ResNet(nn.Module):
