@@ -153,6 +153,7 @@ class UnderflowTargetStrategy(Strategy):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._boundaries = None
 
     def _observe(self, trace: object, i: int, g: torch.Tensor) -> None:
         if self.state is not None and self._scaled.active():  # a backward of a loss scaled here
