@@ -1,10 +1,11 @@
 """The attach-based rules (`layerwise` and its rules/presets, `underflow_target`) under the patterns
 of PyTorch's "Automatic Mixed Precision examples" and real models: each gives GradScaler's
 unscaled gradients at the same power-of-two scales when nothing under/overflows, or refuses with
-one clear error. Gradient penalty, models attached through a container called in another order,
-a second strategy on the same model, unscaled backwards, models called one by one for many steps
-(nothing of a step's graph survives it), and a torchvision-style ResNet (in-place ReLU after a
-hooked BatchNorm, residual blocks, downsample shortcuts)."""
+one clear error. Gradient penalty, accumulation with clipping and a custom Function, state_dict
+into a new strategy mid-run, models attached through a container called in another order,
+several models and losses, a second strategy on the same model, unscaled backwards, models called
+one by one for many steps (nothing of a step's graph survives it), and a torchvision-style ResNet
+(in-place ReLU after a hooked BatchNorm, residual blocks, downsample shortcuts)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,85 @@ def test_naive_gradient_penalty_is_refused_at_get_scale_and_unscale() -> None:
         s.step(torch.optim.SGD(model.parameters(), lr=0.0))
     s.unscale_grads(scaled, list(model.parameters()))
     assert s.get_scale() == 2.0**10
+
+
+class Cube(torch.autograd.Function):
+    """A custom autograd function inside a group (AMP examples: custom autograd functions)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class WithCube(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.a, self.b, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(Cube.apply(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+@pytest.mark.parametrize("name,kw", [("layerwise", {}), ("layerwise", {"rule": "adaloss"}),
+                                     ("underflow_target", {"init_scale": 2.0**10})])
+def test_accumulation_clipping_and_custom_functions_give_gradscaler_gradients(name: str, kw: dict) -> None:
+    """AMP examples: 3 accumulated micro-batches, clipping after unscale_, a custom Function."""
+    xs = [torch.randn(8, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+    def run(scaler, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for x in xs:
+            scaler.scale(model(x).square().mean() / len(xs)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = run(torch.amp.GradScaler("cpu", init_scale=2.0**10), WithCube())
+    model = WithCube()
+    s = strategies.create(name, **kw).attach(model)
+    if name == "layerwise":
+        set_scales(s, [2.0**17, 2.0**3, 2.0**10])
+    assert_equal(run(s, model), want)
+    s.detach()
+
+
+@pytest.mark.parametrize("name", ["layerwise", "underflow_target"])
+def test_state_dict_into_a_new_attached_strategy_mid_run_continues_identically(name: str) -> None:
+    """AMP examples: ``state_dict()`` into a new scaler; the new one attaches once the old one
+    is detached (attaching it beside the old one is refused)."""
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+
+    def train(model, s, steps):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            s.scale(loss).backward()
+            s.step(opt)
+            s.update()
+
+    ref_model, model = mlp(7), mlp(7)
+    ref = strategies.create(name).attach(ref_model)
+    train(ref_model, ref, 6)
+    old = strategies.create(name).attach(model)
+    train(model, old, 3)
+    new = strategies.create(name)
+    with pytest.raises(ValueError, match="already carries"):
+        new.attach(model)
+    sd = old.state_dict()
+    old.detach()
+    new.attach(model).load_state_dict(sd)
+    train(model, new, 3)
+    assert new.state_dict() == ref.state_dict()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
 
 
 # ---------------------------------------------------------------------------- 2. call order
