@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["STAGES", "Boundaries", "ScaledBackwards", "Trace", "layers", "reached"]
+__all__ = ["STAGES", "Boundaries", "ScaledBackwards", "Trace", "layers", "reached", "tensors_in"]
 
 STAGES = ("rescale", "quantize", "observe")
 
@@ -136,7 +136,8 @@ class Handle:
         self._owner._remove(self._user)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists/tuples/dicts (other iterables are left unread)."""
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -339,7 +340,7 @@ class Boundaries:
     def settle(self, tensors: Any) -> None:
         """Before a backward of ``tensors`` (a strategy's ``scale()``): move the transforms of the
         calls whose returned view the ops up to ``tensors`` modified in place (:func:`reached`)."""
-        reached(_tensors(tensors), _any)
+        reached(tensors_in(tensors), _any)
 
     def _start(self, module: torch.nn.Module, args: Any) -> None:
         self.trace = None if self._disabled else Trace()
@@ -348,7 +349,7 @@ class Boundaries:
         trace = self.trace
         if trace is not None:
             trace.closed = True
-            reached(_tensors(output), _any)  # in-place ops on the last calls' views, inside the forward
+            reached(tensors_in(output), _any)  # in-place ops on the last calls' views, inside the forward
             for u in list(self._users):
                 if u.on_end is not None:
                     _timed(u, u.on_end, trace)
@@ -361,7 +362,7 @@ class Boundaries:
         trace = self.trace
         i = len(trace.calls)
         trace.calls.append(module)
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
         users = [u for u in self._users if id(module) in u.modules]
         for u in users:

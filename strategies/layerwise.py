@@ -68,14 +68,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 
 from strategies import adaloss, kernels, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached
+from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached, tensors_in
 from strategies.max_ema import MaxEmaRule, max_ema_update_, round_down_pow2
 from strategies.native import native_update_
 from strategies.params import ScalerParams, hp
@@ -238,14 +238,6 @@ class _Unscale(torch.autograd.Function):
         return _times(c, inv_out), None, None
 
 
-def _flat(outputs: Any) -> Iterator[Any]:
-    if isinstance(outputs, torch.Tensor):
-        yield outputs
-    elif isinstance(outputs, (list, tuple)):
-        for o in outputs:
-            yield from _flat(o)
-
-
 def _adaloss(params: LayerwiseParams) -> bool:
     return params.rule == "adaloss"
 
@@ -398,7 +390,7 @@ class LayerwiseStrategy(Strategy):
             if current.loss_group is not None:
                 self.output_group = current.loss_group
             return
-        found = reached(list(_flat(outputs)), self._mine)
+        found = reached(tensors_in(outputs), self._mine)
         if not found:
             return
         labels = [self._links(tr).consumer[k] for tr, k in found if k in self._links(tr).consumer]
