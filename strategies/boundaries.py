@@ -14,10 +14,38 @@ backward, and :class:`Boundaries` applies them in this fixed, documented order:
    so the value is quantised at the scale the receiving layer computes with;
 3. ``"observe"`` — telemetry: read-only measurements of what the layer below receives.
 
-Each hooked module gets one forward hook, however many users; in every forward pass (with grad
-enabled) a host-side :class:`Trace` records the hooked calls in order, and each call's tensor
-outputs pass through one autograd node whose backward runs the users' transforms of that call in
-stage order. So the result never depends on which user attached first (tested).
+Each hooked module gets one forward hook, however many users. A host-side :class:`Trace`
+records the hooked calls of one forward pass in order. Each tensor output ``t`` of a call is
+returned as ``t.view_as(t)`` — an ordinary view, so the consumers' ops (the other side of the
+boundary) and the module's own ops (which may have saved ``t``) see two tensors — with one tensor
+hook (``Tensor.register_hook``) that runs the users' transforms of that call in stage order, so
+the result never depends on which user attached first (tested). An ordinary view with a hook, not
+an identity autograd Function: a later in-place op on the output (torchvision's
+``ReLU(inplace=True)`` after a hooked ``BatchNorm``) is allowed (a custom Function's view output
+refuses it), and the hook still receives the gradient of the value the module returned.
+
+**Traces.** The model's own forward starts a trace and closes it when it returns. Hooked modules
+called outside it (models in a never-called ``ModuleList``, called one by one) share a trace
+until a backward reaches one of its calls: the next hooked call starts a fresh one. A trace holds
+the called modules and its users' bookkeeping, never autograd nodes, so nothing of a step's graph
+outlives the step through it; the graph refers to its trace (the hooks and the node marks below),
+not the other way round.
+
+**Links** (:func:`reached`). The autograd node of each returned view, and the producer's output
+behind it, are marked with their call (``node.metadata``). Walking the graph down from some
+tensors (a call's inputs, a loss) through unmarked nodes finds the calls whose outputs they
+consume through other ops — ``layerwise`` uses this to learn, for each call, which group consumes
+its output. A walk that arrives at a producer's output around its view (an in-place op on the
+view: autograd's ``CopySlices`` sends the gradient to the producer, past the view's hook) moves
+that call's transforms onto a pre-hook of the producer node. Every hooked call walks from its
+inputs, and a strategy's ``scale()`` from the loss, so the move happens before any backward.
+
+**Scaled backwards** (:class:`ScaledBackwards`). A strategy's transforms must act only on a
+backward whose loss went through *its* ``scale()``: ``mark`` tags the scaled loss, whose tensor
+hook records the running autograd graph task; ``active()`` asks, from a boundary hook, whether
+the running task is one of those. Any other backward (a plain ``loss.backward()`` for logging,
+an fp32 reference) passes the boundaries untouched. Reentrant backwards (reentrant activation
+checkpointing) run as tasks of their own and are not seen as scaled.
 """
 
 from __future__ import annotations
@@ -30,13 +58,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["STAGES", "Boundaries", "Trace", "layers"]
+__all__ = ["STAGES", "Boundaries", "ScaledBackwards", "Trace", "layers", "reached", "tensors_in"]
 
 STAGES = ("rescale", "quantize", "observe")
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+_MARK = "scalelab.boundary"  # node.metadata key: {output_nr: [(trace, call index), ...]}
 
 GradFn = Callable[["Trace", int, torch.Tensor], "torch.Tensor | None"]
 
@@ -61,16 +90,19 @@ def layers(model: torch.nn.Module) -> list[str]:
     return found
 
 
-@dataclass
+@dataclass(eq=False)
 class Trace:
-    """The hooked module calls of one forward pass, in order (host-side bookkeeping only)."""
+    """The hooked module calls of one forward pass, in order (host-side bookkeeping only).
+
+    ``data`` holds each user's own bookkeeping of this pass (keyed by the user); ``closed``: the
+    next hooked call starts a new trace (the root forward returned, or a backward reached it)."""
 
     calls: list[torch.nn.Module] = field(default_factory=list)
-    nodes: list[list[Any]] = field(default_factory=list)  # per call: the autograd nodes of its wrapped outputs
-    finished: bool = False
+    data: dict[Any, Any] = field(default_factory=dict)
+    closed: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _User:
     stage: str
     modules: set[int]
@@ -78,6 +110,8 @@ class _User:
     on_call: Callable[[Trace, int], None] | None
     on_end: Callable[[Trace], None] | None
     when: Callable[[], bool] | None
+    on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None
+    owner: Any = None
     seconds: float = 0.0  # host time spent in this user's callbacks so far
 
 
@@ -102,21 +136,115 @@ class Handle:
         self._owner._remove(self._user)
 
 
-class _Boundary(torch.autograd.Function):
-    """Identity in forward; the users' transforms of one call, in stage order, in backward."""
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists/tuples/dicts (other iterables are left unread)."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, chain: list[_User], trace: Trace, i: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.chain, ctx.trace, ctx.i = chain, trace, i
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        for u in ctx.chain:
-            out = _timed(u, u.on_grad, ctx.trace, ctx.i, g)
-            if out is not None:
-                g = out
-        return g, None, None, None
+def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool]) -> list[tuple[Trace, int]]:
+    """The hooked calls ``(trace, i)`` with ``stop(trace, i)`` whose outputs ``tensors`` depend on
+    through other ops: a walk down the autograd graph from the tensors that ends at the marked
+    output of such a call and goes on through everything else (host-side; it visits only the
+    ops between the tensors and those calls). A walk that reaches a call's output around its
+    returned view (an in-place op on the view) moves that call's transforms onto the producer."""
+    found: list[tuple[Trace, int]] = []
+    stack = [(t.grad_fn, t.output_nr) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[tuple[Any, int]] = set()
+    expanded: set[Any] = set()
+    while stack:
+        edge = stack.pop()
+        if edge in seen:
+            continue
+        seen.add(edge)
+        node, nr = edge
+        marks = node.metadata.get(_MARK)
+        hit = False
+        for trace, i, hook, around in marks.get(nr, ()) if marks else ():
+            if around and hook is not None:
+                hook.move_to(node, nr)
+            if stop(trace, i):
+                hit = True
+                if (trace, i) not in found:
+                    found.append((trace, i))
+        if not hit and node not in expanded:
+            expanded.add(node)
+            stack.extend((n, k) for n, k in node.next_functions if n is not None)
+    return found
+
+
+def _any(trace: Trace, i: int) -> bool:
+    return True
+
+
+class ScaledBackwards:
+    """The autograd graph tasks (backward passes) whose root went through one strategy's
+    ``scale()`` (module docstring). ``torch._C._current_graph_task_id`` is the id torch's own
+    ``torch.utils.checkpoint`` uses for the same question."""
+
+    def __init__(self) -> None:
+        self._tasks: set[int] = set()
+
+    def mark(self, outputs: Any) -> Any:
+        """Tag the scaled tensors in ``outputs`` (a tensor, or nested lists/tuples/iterables of
+        them, as ``scale()`` returns) and return it unchanged (lazily for other iterables)."""
+        if isinstance(outputs, torch.Tensor):
+            if outputs.requires_grad:
+                outputs.register_hook(self._arm)
+        elif isinstance(outputs, (list, tuple)):
+            for o in outputs:
+                self.mark(o)
+        elif isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
+            return map(self.mark, outputs)
+        return outputs
+
+    def _arm(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._tasks.discard(task))
+
+    def active(self) -> bool:
+        """True inside a backward whose root went through :meth:`mark`."""
+        return torch._C._current_graph_task_id() in self._tasks
+
+
+class _Hook:
+    """The users' transforms of one call's output, in stage order: a tensor hook on the returned
+    view, or — once an in-place op on that view has routed the gradient around it (found by a
+    walk, :meth:`move_to`) — a pre-hook on the node that produced the output."""
+
+    def __init__(self, chain: list[_User], trace: Trace, i: int) -> None:
+        self.chain, self.trace, self.i = chain, trace, i
+        self.moved = False
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor | None:
+        if self.moved:
+            return None
+        return self.run(g)
+
+    def run(self, g: torch.Tensor) -> torch.Tensor | None:
+        self.trace.closed = True
+        out = None
+        for u in self.chain:
+            new = _timed(u, u.on_grad, self.trace, self.i, g)
+            if new is not None:
+                g = out = new
+        return out
+
+    def move_to(self, node: Any, nr: int) -> None:
+        """Transform at the producer's output ``nr`` instead: an in-place op on the returned view
+        (``ReLU(inplace=True)``) sends the gradient there through ``CopySlices``, not through the
+        view (the in-place op also means the producer did not save its output)."""
+        if self.moved:
+            return
+        self.moved = True
+
+        def pre(grads: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            g = grads[nr]
+            new = None if g is None else self.run(g)
+            return None if new is None else tuple(new if k == nr else x for k, x in enumerate(grads))
+
+        node.register_prehook(pre)
 
 
 class Boundaries:
@@ -156,26 +284,44 @@ class Boundaries:
         on_call: Callable[[Trace, int], None] | None = None,
         on_end: Callable[[Trace], None] | None = None,
         when: Callable[[], bool] | None = None,
+        on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None,
+        owner: Any = None,
     ) -> Handle:
         """Call ``on_call(trace, i)`` at each call of one of ``modules`` (forward, grad enabled),
         ``on_end(trace)`` when the model's forward returns, and ``on_grad(trace, i, g)`` in
         backward with the gradient of call ``i``'s output (return a replacement or ``None``).
         ``when()``, if given, is asked at each call in forward: False leaves this call's gradient
-        untouched by ``on_grad`` (decided in forward, so a backward run later agrees)."""
+        untouched by ``on_grad`` (decided in forward, so a backward run later agrees).
+        ``on_link(trace, i, below)``: at each call, this user's earlier calls whose outputs the
+        call's tensor arguments consume (:func:`reached`). ``owner`` (a strategy): refused with one
+        ``ValueError`` while another owner has hooks on this model or on one of its modules."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
         modules = list(modules)
-        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when)
+        if owner is not None:
+            self._refuse_second_owner(owner)
+        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, owner)
         self._users.append(user)
         self._users.sort(key=lambda u: STAGES.index(u.stage))  # stable: same stage keeps its order
         for m in modules:
             if id(m) not in self._hooks:
-                self._hooks[id(m)] = m.register_forward_hook(self._on_output)
+                self._hooks[id(m)] = m.register_forward_hook(self._on_output, with_kwargs=True)
         model = self._model_ref()
         if model is not None and not self._root_hooks:
             self._root_hooks = [model.register_forward_pre_hook(self._start),
                                 model.register_forward_hook(self._end)]
         return Handle(self, user)
+
+    def _refuse_second_owner(self, owner: Any) -> None:
+        model = self._model_ref()
+        mine = {id(m) for m in model.modules()} if model is not None else set()
+        for other_model, inst in list(Boundaries._instances.items()):
+            for u in inst._users:
+                if u.owner is not None and u.owner is not owner and u.modules & mine:
+                    name = getattr(u.owner, "name", type(u.owner).__name__)
+                    raise ValueError(
+                        f"{type(model).__name__} already carries the boundary hooks of strategy {name!r} (attached to "
+                        f"{type(other_model).__name__}); call that strategy's detach() before attaching another")
 
     def _remove(self, user: _User) -> None:
         if user not in self._users:
@@ -191,40 +337,53 @@ class Boundaries:
             self._root_hooks = []
             self.trace = None
 
+    def settle(self, tensors: Any) -> None:
+        """Before a backward of ``tensors`` (a strategy's ``scale()``): move the transforms of the
+        calls whose returned view the ops up to ``tensors`` modified in place (:func:`reached`)."""
+        reached(tensors_in(tensors), _any)
+
     def _start(self, module: torch.nn.Module, args: Any) -> None:
         self.trace = None if self._disabled else Trace()
 
     def _end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         trace = self.trace
         if trace is not None:
-            trace.finished = True
+            trace.closed = True
+            reached(tensors_in(output), _any)  # in-place ops on the last calls' views, inside the forward
             for u in list(self._users):
                 if u.on_end is not None:
                     _timed(u, u.on_end, trace)
-        self.trace = None
 
-    def _on_output(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+    def _on_output(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self._disabled or not torch.is_grad_enabled():
             return None
-        if self.trace is None:  # the module was called outside the model's own forward
+        if self.trace is None or self.trace.closed:  # called outside the model's own forward
             self.trace = Trace()
         trace = self.trace
         i = len(trace.calls)
         trace.calls.append(module)
+        inputs = tensors_in((args, kwargs))
+        reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
         users = [u for u in self._users if id(module) in u.modules]
         for u in users:
             if u.on_call is not None:
                 _timed(u, u.on_call, trace, i)
+            if u.on_link is not None:
+                below = _timed(u, reached, inputs,
+                               lambda tr, k, u=u: id(tr.calls[k]) in u.modules)  # type: ignore[misc]
+                _timed(u, u.on_link, trace, i, below)
         chain = [u for u in users if u.on_grad is not None and (u.when is None or u.when())]
-        trace.nodes.append([])
-        if not chain:
-            return None
+        hook = _Hook(chain, trace, i) if chain else None
 
         def wrap(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                out = _Boundary.apply(t, chain, trace, i)
-                trace.nodes[i].append(out.grad_fn)
-                return out
-            return t
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                return t
+            out = t.view_as(t)  # consumers' side of the boundary; the module's own ops keep t
+            for node, nr, around in ((out.grad_fn, 0, False), (t.grad_fn, t.output_nr, True)):
+                if node is not None:
+                    node.metadata.setdefault(_MARK, {}).setdefault(nr, []).append((trace, i, hook, around))
+            if hook is not None:
+                out.register_hook(hook)
+            return out
 
         return tree_map(wrap, output)

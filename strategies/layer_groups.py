@@ -8,22 +8,24 @@ per-group scales exact.
   by one. :func:`resolve` merges such groups into one (named ``"a+b"``, with one warning). A
   merged group may be called at several places of the chain; the per-call rescaling handles
   that, so merging is exact;
-* skip connections: :func:`check_chain` walks the autograd graph of one forward pass and refuses
-  (one ``ValueError``) an activation of call m consumed by a later call n whose group differs
-  from that of call m + 1 — its gradient would sum contributions at two scales.
+* skip connections: at each group call, the graph between its tensor arguments and the earlier
+  group calls is walked (:func:`strategies.boundaries.reached`); :func:`link` records which group
+  consumes each call's output and refuses (one ``ValueError``) an output consumed by two groups,
+  or by a group and a loss scaled at another group's scale — its gradient would sum
+  contributions at two scales. A skip connection *inside* a group (residual blocks) is exact.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
-from strategies.boundaries import Trace, layers
+from strategies.boundaries import layers
 
-__all__ = ["check_chain", "resolve"]
+__all__ = ["Links", "link", "resolve"]
 
 Groups = list[tuple[str, list[torch.nn.Module]]]
 
@@ -89,30 +91,23 @@ def resolve(model: torch.nn.Module, patterns: list[str] | None) -> Groups:
     return _merge_tied(model, groups)
 
 
-def check_chain(trace: Trace, group_of: dict[int, int], names: list[str]) -> None:
-    """Refuse a forward pass whose group calls do not form a chain (see the module docstring).
+@dataclass
+class Links:
+    """What one forward pass (a :class:`strategies.boundaries.Trace`) told a per-group strategy:
+    for each call, the group whose scale the gradient of its output arrives at (the group of the
+    calls that consume it, or the loss's group for an output the loss consumes directly)."""
 
-    ``group_of`` maps ``id(module)`` to its group; calls of other modules are ignored."""
-    mine = [(i, group_of[id(m)]) for i, m in enumerate(trace.calls) if id(m) in group_of]
-    position: dict[Any, int] = {}
-    for pos, (i, _) in enumerate(mine):
-        for node in trace.nodes[i] if i < len(trace.nodes) else []:
-            position[node] = pos
-    for pos, (i, g) in enumerate(mine):
-        stack = [nxt for node in trace.nodes[i] for nxt, _ in node.next_functions if nxt is not None]
-        seen: set[Any] = set()
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            m = position.get(node)
-            if m is None:
-                stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-                continue
-            if m < pos - 1 and mine[m + 1][1] != g:
-                raise ValueError(
-                    f"layerwise: the output of group {names[mine[m][1]]!r} is also consumed by group "
-                    f"{names[g]!r}, past group {names[mine[m + 1][1]]!r} (a skip connection across a group "
-                    "boundary): its gradient would mix two scales. Pass groups=[...] patterns that put the "
-                    f"layers from {names[mine[m + 1][1]]!r} to {names[g]!r} in one group")
+    consumer: dict[int, int] = field(default_factory=dict)
+    loss_group: int | None = None
+    double: bool = False  # a create_graph backward ran through it (gradient penalty)
+
+
+def link(links: Links, k: int, group: int, producer: str, by: str, names: list[str]) -> None:
+    """Record that call ``k`` (of group ``producer``) is consumed by ``group`` (``by`` names the
+    consumer); refuse a second consumer of another group with one ``ValueError``."""
+    old = links.consumer.setdefault(k, group)
+    if old != group:
+        raise ValueError(
+            f"layerwise: the output of group {producer!r} is also consumed by {by}, past group {names[old]!r} "
+            "(a skip connection across a group boundary): its gradient would mix two scales. Pass groups=[...] "
+            f"patterns that put the layers from {names[old]!r} to {names[group]!r} in one group")

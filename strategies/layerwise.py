@@ -14,22 +14,36 @@ Mechanics (all scales are powers of two, so every rescaling below is exact unles
 leaves the format's range — which is precisely what scaling is about):
 
 * :meth:`attach` registers the ``"rescale"`` stage of the model's layer boundaries
-  (:mod:`strategies.boundaries`) on the group modules: every forward pass records the sequence
-  of group *calls*, and in backward the transform of call i (group a) receives the gradient of everything downstream of it, which is at
-  the scale of the next call's group b (the loss side), and multiplies it by ``S_a / S_b`` (in
-  float32, cast back to the gradient's dtype). Hence a group's parameter gradients carry S_l,
-  and the glue ops between two group calls work at the scale of the later group. Because transforms
-  are per call, a module called several times (shared weights, recurrences) is handled: each
-  call converts to its successor's scale.
-* :meth:`scale` multiplies the loss by the scale of the group called last in the latest forward
-  (the group nearest the loss); :meth:`get_scale` returns that scale.
+  (:mod:`strategies.boundaries`) on the group modules. At every group call the graph between the
+  call's tensor arguments and the earlier group calls is walked: the group of a call's
+  *consumer* is recorded (:func:`strategies.layer_groups.link`). In backward the transform of a
+  call of group a receives the gradient of its output at the scale of its consumer's group b and
+  multiplies it by ``S_a / S_b`` (in float32, cast back to the gradient's dtype). Hence a group's
+  parameter gradients carry S_l, and the glue ops between two group calls work at the scale of
+  the consuming group. Transforms are per call, so a module called several times (shared
+  weights, recurrences) is handled, and the order in which groups are listed or registered does
+  not matter: only the graph does (models in a container listed [b, a] and called a then b).
+* :meth:`scale` walks from the loss to the calls it consumes directly and multiplies it by the
+  scale of their consumer group (the group already consuming one of them, else the group of the
+  latest: the group nearest the loss); :meth:`get_scale` returns that scale. Several models
+  feeding one loss, several losses (``retain_graph=True``), an auxiliary loss on an inner
+  activation at the scale of the group consuming it: all exact.
+* The boundaries act only in a backward of a tensor :meth:`scale` returned
+  (:class:`strategies.boundaries.ScaledBackwards`): a plain ``loss.backward()`` (logging, an fp32
+  reference) gives plain gradients.
+* Gradient penalty (PyTorch's AMP examples): ``torch.autograd.grad(strategy.scale(loss), params,
+  create_graph=True)`` returns each group's gradients at its own scale; unscale them with
+  :meth:`unscale_grads`, not ``1 / get_scale()`` — :meth:`get_scale` and :meth:`unscale_` raise
+  ``RuntimeError`` between such a backward and :meth:`unscale_grads`. Then
+  ``strategy.scale(loss + penalty).backward()`` is exact (the maths in :meth:`unscale_grads`).
 * :meth:`unscale_` divides each group's parameter gradients by its own S_l.
-* The group calls must form a chain: what consumes call i's output lies between it and call
-  i+1 (sequential models, blocks with internal residuals). The first forward pass after
-  :meth:`attach` checks this on the autograd graph and refuses a skip connection across a group
-  boundary with one error; groups that share parameters (tied weights) are merged into one at
-  :meth:`attach`, with one warning (:mod:`strategies.layer_groups`). Not supported: activation
-  checkpointing inside groups, computing the loss from a non-final group's output.
+* An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
+  skip connection across a group boundary), is refused with one ``ValueError`` at the forward
+  pass that does it; a skip connection inside a group (ResNet's blocks under the default groups)
+  is exact. Groups that share parameters (tied weights) are merged into one at :meth:`attach`,
+  with one warning (:mod:`strategies.layer_groups`). A model carrying another strategy's hooks is
+  refused at :meth:`attach` (``detach()`` that one first). Not supported: reentrant activation
+  checkpointing inside groups (its inner backward is not a scaled one).
   ``copy.deepcopy`` of an attached model copies the hooks too: detach first.
 
 Update (per group, in place, no host sync):
@@ -54,14 +68,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 
 from strategies import adaloss, kernels, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, Trace
+from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached, tensors_in
 from strategies.max_ema import MaxEmaRule, max_ema_update_, round_down_pow2
 from strategies.native import native_update_
 from strategies.params import ScalerParams, hp
@@ -190,6 +204,40 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
         return lo, hi
 
 
+def _times(g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """``g * ratio``; for fp16/bf16/fp8 in float32 and cast back (the ratio may not fit the format)."""
+    if g.dtype.itemsize < 4:
+        return (g.float() * ratio).to(g.dtype)
+    return g * ratio.to(g.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``g * ratio`` whose derivative with respect to ``g`` is taken as 1 (the boundary in a
+    create_graph backward; :meth:`LayerwiseStrategy.unscale_grads` states why)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _times(g, ratio)
+
+    @staticmethod
+    def backward(ctx: Any, c: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return c, None
+
+
+class _Unscale(torch.autograd.Function):
+    """``g * inv`` whose derivative with respect to ``g`` is ``inv_out`` (see ``unscale_grads``)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, inv: torch.Tensor, inv_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv_out)
+        return _times(g, inv)
+
+    @staticmethod
+    def backward(ctx: Any, c: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (inv_out,) = ctx.saved_tensors
+        return _times(c, inv_out), None, None
+
+
 def _adaloss(params: LayerwiseParams) -> bool:
     return params.rule == "adaloss"
 
@@ -227,10 +275,13 @@ class LayerwiseStrategy(Strategy):
         self._module_group: dict[int, int] = {}
         self._weights: list[list[torch.Tensor]] = [[]]  # per group, for rule adaloss
         self._handle: Any = None
+        self._boundaries: Boundaries | None = None
+        self._scaled = ScaledBackwards()
+        self._key = object()  # this attach's entry in a trace's data
         self._generation = 0
         self._called: set[int] = set()
         self._called_at = -1
-        self._chain_checked = True
+        self._unscale_pending = False  # a create_graph backward crossed a boundary since unscale_grads
 
     # ------------------------------------------------------------------ groups
     @property
@@ -243,7 +294,8 @@ class LayerwiseStrategy(Strategy):
 
     def attach(self, model: torch.nn.Module) -> "LayerwiseStrategy":
         """Split ``model`` into groups and register the boundary rescaling (replacing an earlier
-        attach). Raises ``ValueError`` if a trainable parameter belongs to no group."""
+        attach). Raises ``ValueError`` if a trainable parameter belongs to no group, or if the
+        model still carries another strategy's hooks (``detach()`` that one first)."""
         self.detach()
         if not self.params.enabled:
             return self
@@ -261,23 +313,26 @@ class LayerwiseStrategy(Strategy):
         if missing:
             raise ValueError(f"layerwise: parameters {missing} belong to no group; "
                              "pass groups=[...] patterns that cover every trainable parameter")
+        modules = [m for _, mods in resolved for m in mods]
+        gen = self._generation + 1
+        if modules:
+            boundaries = Boundaries.of(model)
+            self._handle = boundaries.register(
+                "rescale", modules,
+                on_grad=lambda trace, i, g: self._rescale(gen, trace, i, g),
+                on_call=lambda trace, i: self._on_call(gen, trace, i),
+                on_link=lambda trace, i, below: self._on_link(gen, trace, i, below),
+                owner=self,
+            )
+            self._boundaries = boundaries
+        self._generation = gen
+        self._key = object()
         self._group_names = [n for n, _ in resolved]
         self._param_group = param_group
         self._module_group = {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods}
         self._weights = [list({id(p): p for m in mods for p in m.parameters()}.values()) for _, mods in resolved]
-        self._generation += 1
-        self._chain_checked = len(resolved) < 2
         self.regroup_()
         self.output_group = len(resolved) - 1
-        modules = [m for _, mods in resolved for m in mods]
-        if modules:
-            gen = self._generation
-            self._handle = Boundaries.of(model).register(
-                "rescale", modules,
-                on_grad=lambda trace, i, g: self._rescale(gen, trace, i, g),
-                on_call=lambda trace, i: self._on_call(gen, trace, i),
-                on_end=lambda trace: self._on_end(gen, trace),
-            )
         return self
 
     def detach(self) -> None:
@@ -285,40 +340,93 @@ class LayerwiseStrategy(Strategy):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._boundaries = None
         self._generation += 1
         self._called = set()
+        self._unscale_pending = False
         if self.num_groups > 1 or self._param_group:
             self._group_names = ["all"]
             self._param_group, self._module_group, self._weights = {}, {}, [[]]
             self.regroup_()
 
     # ------------------------------------------------------------------ forward / backward
-    def _group_calls(self, trace: Trace) -> list[int]:
-        return [self._module_group.get(id(m), -1) for m in trace.calls]
+    def _links(self, trace: Trace) -> layer_groups.Links:
+        links = trace.data.get(self._key)
+        if links is None:
+            links = trace.data[self._key] = layer_groups.Links()
+        return links
+
+    def _group_of_call(self, trace: Trace, i: int) -> int:
+        return self._module_group[id(trace.calls[i])]
+
+    def _mine(self, trace: Trace, i: int) -> bool:
+        return id(trace.calls[i]) in self._module_group
 
     def _on_call(self, gen: int, trace: Trace, i: int) -> None:
         if gen != self._generation:
             return
         if self._called_at != self.updates:
             self._called, self._called_at = set(), self.updates
-        self._called.add(self._module_group[id(trace.calls[i])])
+        self._called.add(self._group_of_call(trace, i))
 
-    def _on_end(self, gen: int, trace: Trace) -> None:
-        mine = [g for g in self._group_calls(trace) if g >= 0]
-        if gen == self._generation and mine:
-            self.output_group = mine[-1]
-            if not self._chain_checked:  # once per attach: skip connections across groups
-                layer_groups.check_chain(trace, self._module_group, self._group_names)
-                self._chain_checked = True
+    def _on_link(self, gen: int, trace: Trace, i: int, below: list[tuple[Trace, int]]) -> None:
+        """Call i's tensor arguments consume the outputs of ``below``: their gradient arrives at
+        call i's group's scale."""
+        if gen != self._generation:
+            return
+        g = self._group_of_call(trace, i)
+        for tr, k in below:
+            layer_groups.link(self._links(tr), k, g, self._group_names[self._group_of_call(tr, k)],
+                              f"group {self._group_names[g]!r}", self._group_names)
+
+    def _place_loss(self, outputs: Any) -> None:
+        """Choose the loss-side group for ``outputs`` (and so the scale :meth:`scale` applies):
+        the group already consuming a call the loss consumes directly, else the group of the
+        latest such call. After a create_graph backward (gradient penalty) the trace keeps the
+        group of its first loss (the graph now also reaches the calls through that backward)."""
+        trace = self._boundaries.trace if self._boundaries is not None else None
+        current = trace.data.get(self._key) if trace is not None else None
+        if current is not None and current.double:
+            if current.loss_group is not None:
+                self.output_group = current.loss_group
+            return
+        found = reached(tensors_in(outputs), self._mine)
+        if not found:
+            return
+        labels = [self._links(tr).consumer[k] for tr, k in found if k in self._links(tr).consumer]
+        if labels:
+            group = labels[0]
+        else:
+            latest = found[-1] if trace is None else max(found, key=lambda c: (c[0] is trace, c[1]))
+            group = self._group_of_call(*latest)
+        by = f"the loss given to scale() (at group {self._group_names[group]!r}'s scale)"
+        for tr, k in found:
+            layer_groups.link(self._links(tr), k, group, self._group_names[self._group_of_call(tr, k)], by,
+                              self._group_names)
+            self._links(tr).loss_group = group
+        self.output_group = group
+
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
+        """``outputs`` times the scale of their loss-side group (:meth:`_place_loss`); the
+        boundaries rescale only the backwards of tensors returned here (module docstring)."""
+        if self._handle is None or not self.params.enabled:
+            return super().scale(outputs)
+        self._place_loss(outputs)
+        return self._scaled.mark(super().scale(outputs))
 
     def _rescale(self, gen: int, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """Gradient of call i (group a), at the scale of the next call's group b: x S_a / S_b."""
-        if gen != self._generation or self.state is None:
+        """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b.
+        Only in a backward of a loss that went through :meth:`scale`."""
+        if gen != self._generation or self.state is None or not self._scaled.active():
             return None
-        calls = self._group_calls(trace)
-        a = calls[i]
-        later = [g for g in calls[i + 1:] if g >= 0]
-        b = later[0] if later else ([g for g in calls if g >= 0][-1] if trace.finished else self.output_group)
+        a = self._group_of_call(trace, i)
+        links = trace.data.get(self._key)
+        b = None if links is None else links.consumer.get(i)
+        if b is None:
+            raise RuntimeError(
+                f"layerwise: a gradient reaches the output of group {self._group_names[a]!r} from an op the "
+                "boundaries did not see (neither a tensor argument of a group module nor the loss given to "
+                "scale()), so its scale is unknown; scale the whole loss with strategy.scale(loss)")
         s = self.state
         if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
             adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
@@ -328,9 +436,53 @@ class LayerwiseStrategy(Strategy):
         s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
         s.emitted[b] = torch.maximum(s.emitted[b], bad)
         ratio = s.scale[a] / s.scale[b]
-        if grad.dtype.itemsize < 4:  # fp16/bf16/fp8: the ratio may not fit the format
-            return (grad.float() * ratio).to(grad.dtype)
-        return grad * ratio.to(grad.dtype)
+        if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates this backward
+            links.double = True
+            self._unscale_pending = True
+            return _StraightThrough.apply(grad, ratio)
+        return _times(grad, ratio)
+
+    # ------------------------------------------------------------------ gradient penalty
+    def unscale_grads(self, grads: Sequence[torch.Tensor | None],
+                      params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradients ``torch.autograd.grad(strategy.scale(loss), params, create_graph=True)``
+        returned, at scale 1: each divided by its own group's scale S_l (GradScaler's recipe
+        multiplies by ``1 / get_scale()``, which is only the loss-side group's). Differentiable,
+        for a gradient penalty, and exact: then ``strategy.scale(loss + penalty).backward()``
+        gives every group's parameters ``S_l * d(loss + penalty)/dp`` (tested against GradScaler).
+
+        Maths: in the create_graph backward each boundary returns ``g * S_a/S_b`` with derivative
+        1, and this returns ``g / S_l`` with derivative ``1 / S_out`` (``S_out`` the loss-side
+        scale): in the second backward the adjoint of every first-backward gradient is then its
+        derivative at scale 1, so what flows from it into the forward activations of group l
+        carries ``S_l``, the scale the boundaries expect there."""
+        state = self._check_initialized("unscale_grads")
+        grads, params = list(grads), list(params)
+        if len(grads) != len(params):
+            raise ValueError(f"unscale_grads: grads and params must have the same length, got {len(grads)} "
+                             f"and {len(params)}")
+        index = self.group_index(params) or [0] * len(params)
+        inv = 1.0 / state.scale.reshape(-1).float()
+        inv_out = 1.0 / self.output_scale().float()
+        self._unscale_pending = False
+        return [None if g is None else _Unscale.apply(g, inv[gi], inv_out) for g, gi in zip(grads, index)]
+
+    def _refuse_pending(self, what: str) -> None:
+        if self._unscale_pending:
+            raise RuntimeError(
+                f"layerwise: {what} after a create_graph backward (gradient penalty): its gradients come back at "
+                "each group's own scale, not at the loss-side get_scale(); unscale them with "
+                "strategy.unscale_grads(grads, params) (docs/strategy-api.md)")
+
+    def get_scale(self) -> float:
+        """The loss-side scale; refused (``RuntimeError``) between a create_graph backward and
+        :meth:`unscale_grads`, where ``1 / get_scale()`` would unscale groups wrongly."""
+        self._refuse_pending("get_scale()")
+        return super().get_scale()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._refuse_pending("unscale_()")
+        super().unscale_(optimizer)
 
     def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
         """Each parameter's group. Refuses gradients whose scale is unknown: a group whose
@@ -370,6 +522,7 @@ class LayerwiseStrategy(Strategy):
                              stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,
                              p.growth_factor, p.backoff_factor, p.growth_interval, p.zero_grads == "grow", lo, hi,
                              p.cap_ema_on_overflow)
+        self._unscale_pending = False
         if self._handle is not None:  # only the boundary hooks write them
             s.contaminated.zero_()
             s.emitted.zero_()

@@ -3,7 +3,8 @@
 Rule (seed 003 §5.3: scaling "based on the gradient histogram rather than only max or norm";
 the target rate is AdaLoss's, Zhao et al. 2019, arXiv 1910.12385). :meth:`attach` observes the
 activation gradients at the model's layer boundaries (:mod:`strategies.boundaries`, stage
-``"observe"``: what the layer below receives) and counts, on the device, the exponents
+``"observe"``: what the layer below receives; only in backwards of a loss that went through this
+strategy's :meth:`scale`, so an unscaled backward leaves the histogram alone) and counts, on the device, the exponents
 ``e = floor(log2 |g|)`` of their nonzero finite entries — at the current scale S. At
 :meth:`update`, with ``h[e]`` those counts, ``N`` their sum, ``e_min = log2(smallest_normal)``
 and ``cdf[j] = sum_{e <= j} h[e]``:
@@ -30,13 +31,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, layers
+from strategies.boundaries import Boundaries, ScaledBackwards, layers
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
@@ -127,20 +129,34 @@ class UnderflowTargetStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self._handle = None
         self._warned = False
+        self._scaled = ScaledBackwards()
+        self._boundaries: Boundaries | None = None
 
     def attach(self, model: torch.nn.Module) -> "UnderflowTargetStrategy":
+        """Observe ``model``'s layer boundaries (replacing an earlier attach). Raises
+        ``ValueError`` while the model carries another strategy's hooks (``detach()`` that one)."""
         self.detach()
         modules = [model.get_submodule(name) for name in layers(model)] or [model]
-        self._handle = Boundaries.of(model).register("observe", modules, on_grad=self._observe)
+        self._boundaries = Boundaries.of(model)
+        self._handle = self._boundaries.register("observe", modules, on_grad=self._observe, owner=self)
         return self
+
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
+        """As GradScaler; an attached strategy observes only the backwards of what this returns."""
+        if self._handle is None or not self.params.enabled:
+            return super().scale(outputs)
+        if isinstance(outputs, (torch.Tensor, list, tuple)):
+            self._boundaries.settle(outputs)
+        return self._scaled.mark(super().scale(outputs))
 
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._boundaries = None
 
     def _observe(self, trace: object, i: int, g: torch.Tensor) -> None:
-        if self.state is not None:
+        if self.state is not None and self._scaled.active():  # a backward of a loss scaled here
             self.state.exp_hist.add_(exponent_histogram(g).to(self.state.exp_hist))
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:

@@ -141,3 +141,35 @@ def test_each_user_is_charged_its_own_callback_time() -> None:
     model(torch.ones(2, 4)).sum().backward()
     assert s.hook_seconds > 0.0
     slow.remove(), quick.remove(), s.detach()
+
+
+class InplaceAfter(torch.nn.Module):
+    """torchvision style: ReLU(inplace=True) on the output of a hooked layer, the last one included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.b(self.relu(self.a(x))))
+
+
+def test_transforms_reach_outputs_modified_in_place_after_the_hooked_layer() -> None:
+    """A user's transform (x4 on 'a', x8 on 'b') acts on the gradient of the value the layer
+    returned, through a later in-place ReLU, as if the ReLU were not in place."""
+    model, ref = InplaceAfter(), InplaceAfter()
+    ref.relu = torch.nn.ReLU()
+    x = torch.randn(16, 4)
+    seen: list[str] = []
+    b = Boundaries.of(model)
+    h = b.register("rescale", [model.a, model.b], on_grad=lambda t, i, g: (seen.append(str(i)), g * 4.0 * (1 + i))[1])
+    model(x).square().sum().backward()
+    rb = Boundaries.of(ref)
+    h2 = rb.register("rescale", [ref.a, ref.b], on_grad=lambda t, i, g: g * 4.0 * (1 + i))
+    ref(x).square().sum().backward()
+    assert sorted(seen) == ["0", "1"]
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert torch.equal(model.a.weight.grad, ref.a.weight.grad) and model.a.weight.grad.abs().sum() > 0
+    h.remove(), h2.remove()
