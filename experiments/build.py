@@ -36,6 +36,7 @@ __all__ = [
     "AppError",
     "ALLOWED_TARGETS",
     "allowed_target",
+    "resolve",
     "check_targets",
     "safe_instantiate",
     "validate",
@@ -72,8 +73,9 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def _resolve(target: str) -> Any:
-    """The object ``target`` names, through already-loaded modules only; ``None`` when it names none."""
+def resolve(target: str) -> Any:
+    """The object ``target`` names, through already-loaded modules only (nothing is imported);
+    ``None`` when it names none."""
     parts = target.split(".")
     for cut in range(len(parts), 0, -1):
         module = sys.modules.get(".".join(parts[:cut]))
@@ -117,7 +119,7 @@ def check_targets(node: Any, path: str) -> None:
             where = f"{path}._target_" if path else "_target_"
             if not isinstance(target, str) or not target:
                 raise ConfigError(f"{where} must be a dotted name, got {target!r}")
-            obj = _resolve(target)
+            obj = resolve(target)
             if obj is None or not allowed_target(obj):
                 what = "names nothing the app loads" if obj is None else (
                     f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
