@@ -218,3 +218,36 @@ def test_an_unwritable_output_directory_is_one_line(tmp_path: Path, monkeypatch:
     with pytest.raises(ConfigError, match=f"^output directory {tmp_path / 'ro'} is not writable"):
         run_tiny(tmp_path / "ro", "train.steps=2")
     assert list((tmp_path / "ro").iterdir()) == []
+
+
+class _Killed(BaseException):
+    """Stands for a kill in the middle of a write."""
+
+
+def test_a_write_killed_half_way_leaves_the_old_summary_and_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Atomic records: a write torn at any point leaves the previous file whole (temporary file + rename)."""
+    from experiments import checkpoint, records
+
+    summary, ckpt = tmp_path / schema.SUMMARY_NAME, tmp_path / schema.CHECKPOINT_NAME
+    records.write_json_atomic(summary, {"status": "running"})
+    checkpoint.save(ckpt, {"step": 1})
+    before = summary.read_bytes(), ckpt.read_bytes()
+
+    def torn_text(self: Path, data: str, *args: object, **kwargs: object) -> int:
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise _Killed
+
+    def torn_save(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        f.write(b"PK\x03\x04 half a zip")  # type: ignore[attr-defined]
+        raise _Killed
+
+    monkeypatch.setattr(Path, "write_text", torn_text)
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(_Killed):
+        records.write_json_atomic(summary, {"status": "completed", "pad": "x" * 1000})
+    with pytest.raises(_Killed):
+        checkpoint.save(ckpt, {"step": 2})
+    monkeypatch.undo()
+    assert (summary.read_bytes(), ckpt.read_bytes()) == before
+    assert checkpoint.load(ckpt)["step"] == 1
