@@ -9,7 +9,9 @@ strategy factory ``strategies.create``, ``torch.optim`` optimizer classes, and t
 model, data and logger classes. A ``_target_`` is resolved to the object it names *without
 importing anything* (only through modules already loaded), then compared with the list, so an
 alias such as ``experiments.checkpoint.torch.load`` is the refused ``torch.load``, and a module
-with import-time effects is never imported by a config.
+with import-time effects is never imported by a config. The ``hydra`` node, which Hydra acts on
+itself (sweeper, launcher, callbacks, logging, job environment), is checked by
+:mod:`experiments.config_safety` against allow-lists of its own.
 """
 
 from __future__ import annotations

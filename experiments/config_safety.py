@@ -49,8 +49,6 @@ __all__ = [
     "LAUNCHER_SHELL_KEYS",
     "allowed_objects",
     "check_config",
-    "check_hydra_node",
-    "sweep_job_dir",
     "check_command_line",
     "check_env_name",
 ]
@@ -171,14 +169,22 @@ def check_env_name(name: Any, where: str) -> None:
         )
 
 
-def _as_in_job(cfg: DictConfig, output_dir: str, job_num: int) -> DictConfig:
-    """A copy of ``cfg`` with what Hydra sets before a job runs: the output directory, job number and id."""
+def _as_in_job(cfg: DictConfig, output_dir: str | None, job_num: int) -> DictConfig:
+    """A copy of ``cfg`` with what Hydra sets before a job runs: job number and id, and the output
+    directory (``output_dir``; ``None``: a sweep job's, ``hydra.sweep.dir``/``hydra.sweep.subdir``)."""
     cfg = cfg.copy()
     with read_write(cfg), open_dict(cfg):
-        cfg.hydra.runtime.output_dir = os.path.abspath(output_dir)
         for key, value in (("num", job_num), ("id", f"preflight_{job_num}")):
             if OmegaConf.is_missing(cfg.hydra.job, key):
                 cfg.hydra.job[key] = value
+        if output_dir is None:
+            with _hydra_context(cfg):
+                try:
+                    output_dir = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
+                except Exception as exc:  # noqa: BLE001 - Hydra would fail the same way
+                    raise ConfigError(f"hydra.sweep does not resolve: {one_line(exc)[:300]}") from None
+    with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):  # as Hydra's run_job sets it
+        cfg.hydra.runtime.output_dir = os.path.abspath(output_dir)
     return cfg
 
 
@@ -195,25 +201,22 @@ def _hydra_context(cfg: DictConfig) -> Iterator[None]:
         HydraConfig.instance().cfg = saved
 
 
-def check_hydra_node(cfg: DictConfig, output_dir: str, job_num: int = 0) -> None:
-    """Check the ``hydra`` node of a composed config (``return_hydra_config=True``) as Hydra will
-    use it in a job whose output directory is ``output_dir``: instantiated targets, logging,
-    environment and ``output_subdir``. Raises a one-line :class:`ConfigError`."""
-    cfg = _as_in_job(cfg, output_dir, job_num)
+def _check_hydra_node(job: DictConfig) -> None:
+    """Check the ``hydra`` node of ``job`` (from :func:`_as_in_job`, inside :func:`_hydra_context`)
+    as Hydra will use it: instantiated targets, logging, environment and ``output_subdir``."""
     nodes: dict[str, Any] = {}
-    with _hydra_context(cfg):
-        for key in cfg.hydra:
-            value = cfg.hydra._get_node(key)
-            try:
-                nodes[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else cfg.hydra[key]
-            except Exception as exc:  # noqa: BLE001 - any resolution failure: Hydra would fail the same way
-                if key in ACTED_ON:
-                    raise ConfigError(f"hydra.{key} does not resolve: {one_line(exc)[:300]}") from None
-                nodes[key] = OmegaConf.to_container(value, resolve=False) if OmegaConf.is_config(value) else None
+    for key in job.hydra:
+        value = job.hydra._get_node(key)
+        try:
+            nodes[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else job.hydra[key]
+        except Exception as exc:  # noqa: BLE001 - any resolution failure: Hydra would fail the same way
+            if key in ACTED_ON:
+                raise ConfigError(f"hydra.{key} does not resolve: {one_line(exc)[:300]}") from None
+            nodes[key] = OmegaConf.to_container(value, resolve=False) if OmegaConf.is_config(value) else None
     for key, node in nodes.items():
         _walk_targets(node, f"hydra.{key}")
     for key in ("job_logging", "hydra_logging"):
-        _walk_logging(nodes[key], f"hydra.{key}", os.path.abspath(output_dir))
+        _walk_logging(nodes[key], f"hydra.{key}", str(job.hydra.runtime.output_dir))
     for name in (nodes["job"].get("env_set") or {}):
         check_env_name(name, f"hydra.job.env_set.{name}")
     for name in (nodes["job"].get("env_copy") or []):
@@ -255,30 +258,21 @@ def check_command_line(overrides: list[str], config_path: str | None, rerun: str
                 )
 
 
-def sweep_job_dir(cfg: DictConfig, job_num: int) -> str:
-    """The output directory of sweep job ``job_num`` composed as ``cfg``: ``hydra.sweep.dir`` /
-    ``hydra.sweep.subdir``, resolved as the launcher resolves them."""
-    job = _as_in_job(cfg, "", job_num)
+def check_config(cfg: DictConfig, output_dir: str | None = None, job_num: int = 0) -> None:
+    """Check a composed config (``return_hydra_config=True``) as Hydra will use it in job
+    ``job_num`` writing to ``output_dir`` (``None``: the sweep job's directory): its ``hydra``
+    node, then every ``_target_`` of the app's part against :func:`experiments.build.allowed_target`
+    (resolved as in the job when it resolves; a value that does not resolve is refused by the
+    job's own :func:`experiments.build.validate` before anything is built). Raises a one-line
+    :class:`ConfigError`."""
+    job = _as_in_job(cfg, output_dir, job_num)
+    app: dict[str, Any] = {}
     with _hydra_context(job):
-        try:
-            return os.path.join(str(job.hydra.sweep.dir), str(job.hydra.sweep.subdir))
-        except Exception as exc:  # noqa: BLE001 - Hydra would fail the same way
-            raise ConfigError(f"hydra.sweep does not resolve: {one_line(exc)[:300]}") from None
-
-
-def check_config(cfg: DictConfig, output_dir: str, job_num: int = 0) -> None:
-    """:func:`check_hydra_node`, then every ``_target_`` of the app's part of ``cfg`` against
-    :func:`experiments.build.allowed_target` (resolved as in the job when it resolves; a value
-    that does not resolve is refused by the job's own :func:`experiments.build.validate` before
-    anything is built)."""
-    check_hydra_node(cfg, output_dir, job_num)
-    cfg = _as_in_job(cfg, output_dir, job_num)
-    app = cfg.copy()
-    with read_write(app), open_dict(app):
-        del app["hydra"]
-    with _hydra_context(cfg):
-        try:
-            container = OmegaConf.to_container(app, resolve=True)
-        except Exception:  # noqa: BLE001 - see the docstring
-            container = OmegaConf.to_container(app, resolve=False)
-    check_targets(container, "")
+        _check_hydra_node(job)
+        for key in job:
+            if key != "hydra":
+                try:
+                    app[str(key)] = OmegaConf.to_container(job[key], resolve=True) if OmegaConf.is_config(job[key]) else job[key]
+                except Exception:  # noqa: BLE001 - see the docstring
+                    app[str(key)] = OmegaConf.to_container(job._get_node(key), resolve=False) if OmegaConf.is_config(job._get_node(key)) else None
+    check_targets(app, "")

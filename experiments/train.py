@@ -12,8 +12,13 @@ installed wheel ships as ``experiments/conf``, else ``<checkout>/conf``. Everyth
 
 Before Hydra starts, :func:`main` checks the command-line overrides: a malformed override or an
 unknown choice for one of this project's config groups ends with one line naming the option and
-the allowed values, and exit code 2 (Hydra's own messages for these span several lines). For a
-single run, :func:`preflight` then composes the config as Hydra will and validates it (values,
+the allowed values, and exit code 2 (Hydra's own messages for these span several lines). Then
+:func:`check_safety` composes the config exactly as Hydra will (its flags, search path and mode; a
+sweep's master config and a covering sample of its jobs) and refuses, the same way, anything that
+would make Hydra run code or steer a program — a ``_target_``, logging factory or job environment
+variable off its allow-list, the ``hydra`` node included (:mod:`experiments.config_safety`) — before
+Hydra builds a callback, sweeper or launcher or writes anything. For a single run,
+:func:`preflight` then composes the config as Hydra will and validates it (values,
 ``_target_`` allow-list, the output directory) before Hydra creates or writes anything. A bad
 value found while building the run (out of range, a model that cannot take the data, an unusable
 checkpoint, a directory holding another run or in use) ends the same way in a single run; in a
@@ -153,7 +158,7 @@ def _check_sweep(hydra: Any, master: DictConfig) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    from experiments.config_safety import check_config, sweep_job_dir
+    from experiments.config_safety import check_config
     from hydra_plugins.scalelab_sweeper import covering
 
     sweep_dir = str(master.hydra.sweep.dir)
@@ -167,7 +172,7 @@ def _check_sweep(hydra: Any, master: DictConfig) -> None:
             job_cfg = hydra.config_loader.load_sweep_config(master, list(job))
         except Exception:  # noqa: BLE001 - a job that does not compose never runs; the sweeper reports it
             continue
-        check_config(job_cfg, sweep_job_dir(job_cfg, num), num)
+        check_config(job_cfg, None, num)
 
 
 def check_safety(args: list[str]) -> str | None:
