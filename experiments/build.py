@@ -39,6 +39,7 @@ __all__ = [
     "ALLOWED_TARGETS",
     "allowed_target",
     "resolve",
+    "refusal",
     "check_targets",
     "safe_instantiate",
     "validate",
@@ -113,6 +114,13 @@ def _allowed_names() -> str:
     return ", ".join(names[:1] + ["torch.optim.<optimizer class>"] + names[1:])
 
 
+def refusal(where: str, target: str, obj: Any, allowed: str) -> ConfigError:
+    """The one-line error for ``where=target`` (resolved to ``obj``, ``None``: nothing) not allowed."""
+    what = "names nothing the app loads" if obj is None else (
+        f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
+    return ConfigError(f"{where}={target!r} is not allowed ({what}); allowed: {allowed}")
+
+
 def check_targets(node: Any, path: str) -> None:
     """Refuse any ``_target_`` (at any depth) that does not resolve to an allowed object."""
     if isinstance(node, dict):
@@ -123,9 +131,7 @@ def check_targets(node: Any, path: str) -> None:
                 raise ConfigError(f"{where} must be a dotted name, got {target!r}")
             obj = resolve(target)
             if obj is None or not allowed_target(obj):
-                what = "names nothing the app loads" if obj is None else (
-                    f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
-                raise ConfigError(f"{where}={target!r} is not allowed ({what}); allowed: {_allowed_names()}")
+                raise refusal(where, target, obj, _allowed_names())
         for key, value in node.items():
             check_targets(value, f"{path}.{key}" if path else str(key))
     elif isinstance(node, list):

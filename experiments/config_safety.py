@@ -39,7 +39,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from experiments.build import ConfigError, check_targets, one_line, resolve
+from experiments.build import ConfigError, check_targets, one_line, refusal, resolve
 
 __all__ = [
     "HYDRA_TARGETS",
@@ -121,10 +121,7 @@ def _check_target(target: Any, where: str, names: tuple[str, ...]) -> None:
     allowed = allowed_objects(names)
     obj = resolve(target)
     if obj is None or not any(obj is a for a in allowed):
-        what = "names nothing the app loads" if obj is None else (
-            f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
-        listed = ", ".join(names) if names else "none (no _target_ may appear here)"
-        raise ConfigError(f"{where}={target!r} is not allowed ({what}); allowed: {listed}")
+        raise refusal(where, target, obj, ", ".join(names) if names else "none (no _target_ may appear here)")
 
 
 def _walk_targets(node: Any, path: str) -> None:
