@@ -22,8 +22,10 @@ Hydra itself acts on before the app runs:
   ``TORCH_EXTENSIONS_DIR``, ``BASH_ENV``, ...) is refused, because an allow-list cannot miss one.
 * ``hydra.output_subdir`` must stay inside the output directory; the SLURM launcher's shell
   lines (``setup``, ``srun_args``, ``additional_parameters``) may come only from a trusted
-  ``conf/hydra/launcher/*.yaml``, never from an override; ``pkg://`` search paths (which import a
-  package to find its files) and ``--experimental-rerun`` (which unpickles a file) are refused.
+  ``conf/hydra/launcher/*.yaml``, never from an override; another config tree from the command
+  line (``--config-dir``, ``--config-path``, ``hydra.searchpath``: Hydra reads its files, and
+  imports the package of a ``pkg://`` search path, while composing, before any check) and
+  ``--experimental-rerun`` (which unpickles a file) are refused.
 
 Every refusal is a one-line :class:`experiments.build.ConfigError` naming the key.
 """
@@ -227,17 +229,22 @@ def _is_under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(prefix + ".") or prefix.startswith(key + ".")
 
 
-def check_command_line(overrides: list[str], config_path: str | None, rerun: str | None) -> None:
+TREE_HINT = "the config tree is the environment's choice: set SCALELAB_CONF_DIR to a copy of conf/ instead"
+
+
+def check_command_line(overrides: list[str], config_path: str | None, config_dir: str | None, rerun: str | None) -> None:
     """Refusals that must come before Hydra composes anything: ``--experimental-rerun`` (unpickles
-    a file), ``pkg://`` config or search paths (import a package), and overrides of the
-    launcher's shell keys (:data:`LAUNCHER_SHELL_KEYS`)."""
+    a file); another config tree (``--config-path``, ``--config-dir``, ``hydra.searchpath``: its
+    files are composed before any check, and a ``pkg://`` search path in them imports a package);
+    overrides of the launcher's shell keys (:data:`LAUNCHER_SHELL_KEYS`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     if rerun is not None:
         raise ConfigError("--experimental-rerun is not allowed: it unpickles a file, which can run any code")
-    if config_path is not None and config_path.startswith("pkg://"):
-        raise ConfigError(f"--config-path={config_path!r} is not allowed: a pkg:// path imports that package; use a directory")
+    for flag, value in (("--config-path", config_path), ("--config-dir", config_dir)):
+        if value is not None:
+            raise ConfigError(f"{flag}={value!r} is not allowed: {TREE_HINT}")
     parser = OverridesParser.create()
     for arg in overrides:
         try:
@@ -245,8 +252,8 @@ def check_command_line(overrides: list[str], config_path: str | None, rerun: str
         except HydraException:
             continue  # train.check_overrides reports malformed overrides
         key = override.key_or_group.lstrip("+~")
-        if _is_under(key, "hydra.searchpath") and "pkg://" in arg:
-            raise ConfigError(f"{arg!r} is not allowed: a pkg:// search path imports that package; use file://")
+        if _is_under(key, "hydra.searchpath"):
+            raise ConfigError(f"{arg!r} is not allowed: {TREE_HINT}")
         for shell_key in LAUNCHER_SHELL_KEYS:
             if _is_under(key, f"hydra.launcher.{shell_key}"):
                 raise ConfigError(

@@ -130,23 +130,19 @@ def _hydra_args(args: list[str]) -> argparse.Namespace | None:
         return None
 
 
-def _main_hydra(ns: argparse.Namespace) -> Any:
-    """Hydra's main object for these flags, built as ``hydra.main`` builds it (same search path:
-    ``--config-path``, ``--config-dir``, the app's module), so composing with it gives the config
-    Hydra will run."""
+def _main_hydra() -> Any:
+    """Hydra's main object, built as ``hydra.main`` builds it for :func:`_app` (same search path and
+    task name), so composing with it gives the config Hydra will run. (``--config-path`` and
+    ``--config-dir`` are refused before: :func:`experiments.config_safety.check_command_line`.)"""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import (
         create_automatic_config_search_path,
         detect_calling_file_or_module_from_task_function,
         detect_task_name,
     )
-    from hydra.core.config_search_path import SearchPathQuery
 
     calling_file, calling_module = detect_calling_file_or_module_from_task_function(_app)
-    search_path = create_automatic_config_search_path(calling_file, calling_module, ns.config_path or str(CONF_DIR))
-    if ns.config_dir is not None:
-        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(ns.config_dir)}",
-                            anchor=SearchPathQuery(provider="schema"))
+    search_path = create_automatic_config_search_path(calling_file, calling_module, str(CONF_DIR))
     return Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module), config_search_path=search_path)
 
 
@@ -190,8 +186,8 @@ def check_safety(args: list[str]) -> str | None:
     if ns is None:
         return None
     try:
-        check_command_line(ns.overrides, ns.config_path, ns.experimental_rerun)
-        hydra = _main_hydra(ns)
+        check_command_line(ns.overrides, ns.config_path, ns.config_dir, ns.experimental_rerun)
+        hydra = _main_hydra()
         try:
             config_name = ns.config_name or "config"
             multirun = ns.multirun or (hydra.get_mode(config_name, ns.overrides) == RunMode.MULTIRUN and not ns.run)

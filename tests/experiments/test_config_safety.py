@@ -64,8 +64,11 @@ ATTACKS = [
     (["hydra.output_subdir=../up"], "hydra.output_subdir='../up' is not allowed"),
     (["-m", "hydra/launcher=slurm", "+hydra.launcher.setup=[touch /tmp/x]"], "'+hydra.launcher.setup=[touch /tmp/x]' is not allowed"),
     (["-m", "hydra/launcher=slurm", "hydra.launcher.additional_parameters={wrap: x}"], "'hydra.launcher.additional_parameters"),
-    (["hydra.searchpath=[pkg://antigravity]"], "'hydra.searchpath=[pkg://antigravity]' is not allowed"),
+    # another config tree: Hydra reads it (and imports a pkg:// search path's package) while composing
+    (["hydra.searchpath=[pkg://antigravity]"], "'hydra.searchpath=[pkg://antigravity]' is not allowed: the config tree is"),
+    (["+hydra.searchpath=[file:///tmp]"], "'+hydra.searchpath=[file:///tmp]' is not allowed"),
     (["--config-path", "pkg://antigravity"], "--config-path='pkg://antigravity' is not allowed"),
+    (["--config-dir", "/tmp"], "--config-dir='/tmp' is not allowed: the config tree is the environment's choice"),
     (["--experimental-rerun", "run/.hydra/config.pickle"], "--experimental-rerun is not allowed"),
     # not only when running: --help and --cfg compose (and --help configures Hydra's logging)
     (["--help", "hydra.hydra_logging.handlers.console.class=os.system"], "hydra.hydra_logging.handlers.console.class='os.system'"),
