@@ -39,6 +39,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from experiments.build import ConfigError, check_targets, one_line, refusal, resolve
@@ -190,8 +193,6 @@ def _as_in_job(cfg: DictConfig, output_dir: str | None, job_num: int) -> DictCon
 @contextmanager
 def _hydra_context(cfg: DictConfig) -> Iterator[None]:
     """``${hydra:...}`` resolves against ``cfg`` (as inside Hydra's job); restored afterwards."""
-    from hydra.core.hydra_config import HydraConfig
-
     saved = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(cfg)
     try:
@@ -237,9 +238,6 @@ def check_command_line(overrides: list[str], config_path: str | None, config_dir
     a file); another config tree (``--config-path``, ``--config-dir``, ``hydra.searchpath``: its
     files are composed before any check, and a ``pkg://`` search path in them imports a package);
     overrides of the launcher's shell keys (:data:`LAUNCHER_SHELL_KEYS`)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     if rerun is not None:
         raise ConfigError("--experimental-rerun is not allowed: it unpickles a file, which can run any code")
     for flag, value in (("--config-path", config_path), ("--config-dir", config_dir)):

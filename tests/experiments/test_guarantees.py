@@ -7,12 +7,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from experiments import schema
+from experiments import checkpoint, records, schema
 from experiments.build import AppError, ConfigError
 from experiments.rundir import RunDir, config_diff
 from tests.experiments.runs import QUIET, TINY, cli, compose_cfg, read_rows, run_tiny
@@ -226,8 +227,6 @@ class _Killed(BaseException):
 
 def test_a_write_killed_half_way_leaves_the_old_summary_and_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Atomic records: a write torn at any point leaves the previous file whole (temporary file + rename)."""
-    from experiments import checkpoint, records
-
     summary, ckpt = tmp_path / schema.SUMMARY_NAME, tmp_path / schema.CHECKPOINT_NAME
     records.write_json_atomic(summary, {"status": "running"})
     checkpoint.save(ckpt, {"step": 1})
@@ -255,8 +254,6 @@ def test_a_write_killed_half_way_leaves_the_old_summary_and_checkpoint(tmp_path:
 
 def test_every_guarantee_names_tests_that_exist() -> None:
     """docs/guarantees.md: every row of its tables names at least one test, and each named test exists."""
-    import re
-
     root = Path(__file__).resolve().parents[2]
     doc = (root / "docs" / "guarantees.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| ") and not line.startswith(("| guarantee", "| what", "| trusted"))]
