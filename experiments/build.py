@@ -9,7 +9,9 @@ strategy factory ``strategies.create``, ``torch.optim`` optimizer classes, and t
 model, data and logger classes. A ``_target_`` is resolved to the object it names *without
 importing anything* (only through modules already loaded), then compared with the list, so an
 alias such as ``experiments.checkpoint.torch.load`` is the refused ``torch.load``, and a module
-with import-time effects is never imported by a config.
+with import-time effects is never imported by a config. The ``hydra`` node, which Hydra acts on
+itself (sweeper, launcher, callbacks, logging, job environment), is checked by
+:mod:`experiments.config_safety` against allow-lists of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "AppError",
     "ALLOWED_TARGETS",
     "allowed_target",
+    "resolve",
+    "refusal",
     "check_targets",
     "safe_instantiate",
     "validate",
@@ -72,8 +76,9 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def _resolve(target: str) -> Any:
-    """The object ``target`` names, through already-loaded modules only; ``None`` when it names none."""
+def resolve(target: str) -> Any:
+    """The object ``target`` names, through already-loaded modules only (nothing is imported);
+    ``None`` when it names none."""
     parts = target.split(".")
     for cut in range(len(parts), 0, -1):
         module = sys.modules.get(".".join(parts[:cut]))
@@ -109,6 +114,13 @@ def _allowed_names() -> str:
     return ", ".join(names[:1] + ["torch.optim.<optimizer class>"] + names[1:])
 
 
+def refusal(where: str, target: str, obj: Any, allowed: str) -> ConfigError:
+    """The one-line error for ``where=target`` (resolved to ``obj``, ``None``: nothing) not allowed."""
+    what = "names nothing the app loads" if obj is None else (
+        f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
+    return ConfigError(f"{where}={target!r} is not allowed ({what}); allowed: {allowed}")
+
+
 def check_targets(node: Any, path: str) -> None:
     """Refuse any ``_target_`` (at any depth) that does not resolve to an allowed object."""
     if isinstance(node, dict):
@@ -117,11 +129,9 @@ def check_targets(node: Any, path: str) -> None:
             where = f"{path}._target_" if path else "_target_"
             if not isinstance(target, str) or not target:
                 raise ConfigError(f"{where} must be a dotted name, got {target!r}")
-            obj = _resolve(target)
+            obj = resolve(target)
             if obj is None or not allowed_target(obj):
-                what = "names nothing the app loads" if obj is None else (
-                    f"resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}")
-                raise ConfigError(f"{where}={target!r} is not allowed ({what}); allowed: {_allowed_names()}")
+                raise refusal(where, target, obj, _allowed_names())
         for key, value in node.items():
             check_targets(value, f"{path}.{key}" if path else str(key))
     elif isinstance(node, list):

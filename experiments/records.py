@@ -164,12 +164,21 @@ def redact(obj: Any) -> Any:
     return obj
 
 
+GIT_SAFE = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "--no-optional-locks")
+"""Options of every fingerprint ``git`` call: no file-system monitor program, no hooks, no index
+write (``--no-optional-locks``), so reading the SHA and dirtiness runs no program but git."""
+
+
 def _git(*args: str) -> str | None:
+    """``git ARGS`` in this code's checkout, with :data:`GIT_SAFE` and without the caller's
+    ``GIT_*`` variables (``GIT_DIR``, ``GIT_CONFIG_*``, ``GIT_EXEC_PATH``, ... would choose
+    another repository, configuration or program); ``None`` when git is missing or fails."""
     if not (_REPO_ROOT / ".git").exists():
         return None  # an installed copy (site-packages): any repository around it is not this code's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     try:
         out = subprocess.run(
-            ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+            ["git", *GIT_SAFE, *args], cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=10, check=True
         )
     except (OSError, subprocess.SubprocessError):
         return None

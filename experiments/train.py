@@ -12,8 +12,13 @@ installed wheel ships as ``experiments/conf``, else ``<checkout>/conf``. Everyth
 
 Before Hydra starts, :func:`main` checks the command-line overrides: a malformed override or an
 unknown choice for one of this project's config groups ends with one line naming the option and
-the allowed values, and exit code 2 (Hydra's own messages for these span several lines). For a
-single run, :func:`preflight` then composes the config as Hydra will and validates it (values,
+the allowed values, and exit code 2 (Hydra's own messages for these span several lines). Then
+:func:`check_safety` composes the config exactly as Hydra will (its flags, search path and mode; a
+sweep's master config and a covering sample of its jobs) and refuses, the same way, anything that
+would make Hydra run code or steer a program — a ``_target_``, logging factory or job environment
+variable off its allow-list, the ``hydra`` node included (:mod:`experiments.config_safety`) — before
+Hydra builds a callback, sweeper or launcher or writes anything. For a single run,
+:func:`preflight` then composes the config as Hydra will and validates it (values,
 ``_target_`` allow-list, the output directory) before Hydra creates or writes anything. A bad
 value found while building the run (out of range, a model that cannot take the data, an unusable
 checkpoint, a directory holding another run or in use) ends the same way in a single run; in a
@@ -22,15 +27,17 @@ sweep the job fails with that one line.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-__all__ = ["main", "check_overrides", "preflight", "CONF_DIR", "GROUPS"]
+__all__ = ["main", "check_overrides", "check_safety", "preflight", "CONF_DIR", "GROUPS"]
 
 
 def _conf_dir() -> Path:
@@ -112,6 +119,94 @@ def _app(cfg: DictConfig) -> float | None:
     return summary.get("final_eval_loss")
 
 
+def _hydra_args(args: list[str]) -> argparse.Namespace | None:
+    """``args`` parsed by Hydra's own command-line parser; ``None`` when it rejects them (Hydra then
+    prints its usage error itself)."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        return get_args_parser().parse_args(args)
+    except SystemExit:
+        return None
+
+
+def _main_hydra() -> Any:
+    """Hydra's main object, built as ``hydra.main`` builds it for :func:`_app` (same search path and
+    task name), so composing with it gives the config Hydra will run. (``--config-path`` and
+    ``--config-dir`` are refused before: :func:`experiments.config_safety.check_command_line`.)"""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        detect_task_name,
+    )
+
+    calling_file, calling_module = detect_calling_file_or_module_from_task_function(_app)
+    search_path = create_automatic_config_search_path(calling_file, calling_module, str(CONF_DIR))
+    return Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module), config_search_path=search_path)
+
+
+def _check_sweep(hydra: Any, master: DictConfig) -> None:
+    """The master config of a sweep and a covering sample of its jobs (every ``key=value`` of the
+    sweep in at least one; the sweeper's own :func:`hydra_plugins.scalelab_sweeper.covering`),
+    each composed as the launcher will compose it, pass :func:`experiments.config_safety.check_config`."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from experiments.config_safety import check_config
+    from hydra_plugins.scalelab_sweeper import covering
+
+    sweep_dir = str(master.hydra.sweep.dir)
+    check_config(master, sweep_dir)
+    params = OmegaConf.select(master, "hydra.sweeper.params") or {}
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(master.hydra.overrides.task)
+    parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(arguments)
+    (jobs,) = BasicSweeper.split_arguments(parsed, None)
+    for num, job in enumerate(covering(jobs)):
+        try:
+            job_cfg = hydra.config_loader.load_sweep_config(master, list(job))
+        except Exception:  # noqa: BLE001 - a job that does not compose never runs; the sweeper reports it
+            continue
+        check_config(job_cfg, None, num)
+
+
+def check_safety(args: list[str]) -> str | None:
+    """A one-line error when the command line would make Hydra run code or steer programs
+    (:mod:`experiments.config_safety`), checked on the config Hydra will compose — a single run, or
+    a sweep's master config and a covering sample of its jobs — before Hydra builds a callback,
+    sweeper or launcher, configures logging, sets a job's environment or writes anything; else ``None``."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from experiments.build import AppError
+    from experiments.config_safety import check_command_line, check_config
+
+    ns = _hydra_args(args)
+    if ns is None:
+        return None
+    try:
+        check_command_line(ns.overrides, ns.config_path, ns.config_dir, ns.experimental_rerun)
+        hydra = _main_hydra()
+        try:
+            config_name = ns.config_name or "config"
+            multirun = ns.multirun or (hydra.get_mode(config_name, ns.overrides) == RunMode.MULTIRUN and not ns.run)
+            mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+            try:
+                cfg = hydra.compose_config(config_name, list(ns.overrides), run_mode=mode, with_log_configuration=False)
+            except Exception:  # noqa: BLE001 - Hydra reports a config that does not compose (nothing runs)
+                return None
+            if multirun:
+                _check_sweep(hydra, cfg)
+            else:
+                check_config(cfg, str(cfg.hydra.run.dir))
+        finally:
+            GlobalHydra.instance().clear()
+    except AppError as exc:
+        return str(exc)
+    return None
+
+
 def preflight(args: list[str]) -> str | None:
     """For a single run (no ``-``/``--`` flags): a one-line error for a config that does not compose,
     does not validate, or names an unusable output directory — found before Hydra creates that
@@ -148,7 +243,7 @@ def preflight(args: list[str]) -> str | None:
 
 def main() -> None:
     """Console entry point (``scalelab-train``)."""
-    error = check_overrides(sys.argv[1:]) or preflight(sys.argv[1:])
+    error = check_overrides(sys.argv[1:]) or check_safety(sys.argv[1:]) or preflight(sys.argv[1:])
     if error is not None:
         print(f"scalelab-train: error: {error}", file=sys.stderr)
         raise SystemExit(2)

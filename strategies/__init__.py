@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from importlib.metadata import entry_points
 
 from strategies.base import Strategy
 from strategies.registry import (
@@ -21,6 +20,7 @@ from strategies.registry import (
     available,
     create,
     get,
+    load_plugins,
     register_strategy,
 )
 from strategies.stats import GradStats, unscale_and_stats
@@ -41,8 +41,7 @@ def _discover() -> None:
     for info in pkgutil.iter_modules(__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}")
-    for ep in entry_points(group="scalelab.strategies"):
-        ep.load()
+    load_plugins()
 
 
 _discover()

@@ -7,12 +7,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from experiments import schema
+from experiments import checkpoint, records, schema
 from experiments.build import AppError, ConfigError
 from experiments.rundir import RunDir, config_diff
 from tests.experiments.runs import QUIET, TINY, cli, compose_cfg, read_rows, run_tiny
@@ -218,3 +219,47 @@ def test_an_unwritable_output_directory_is_one_line(tmp_path: Path, monkeypatch:
     with pytest.raises(ConfigError, match=f"^output directory {tmp_path / 'ro'} is not writable"):
         run_tiny(tmp_path / "ro", "train.steps=2")
     assert list((tmp_path / "ro").iterdir()) == []
+
+
+class _Killed(BaseException):
+    """Stands for a kill in the middle of a write."""
+
+
+def test_a_write_killed_half_way_leaves_the_old_summary_and_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Atomic records: a write torn at any point leaves the previous file whole (temporary file + rename)."""
+    summary, ckpt = tmp_path / schema.SUMMARY_NAME, tmp_path / schema.CHECKPOINT_NAME
+    records.write_json_atomic(summary, {"status": "running"})
+    checkpoint.save(ckpt, {"step": 1})
+    before = summary.read_bytes(), ckpt.read_bytes()
+
+    def torn_text(self: Path, data: str, *args: object, **kwargs: object) -> int:
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise _Killed
+
+    def torn_save(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        f.write(b"PK\x03\x04 half a zip")  # type: ignore[attr-defined]
+        raise _Killed
+
+    monkeypatch.setattr(Path, "write_text", torn_text)
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(_Killed):
+        records.write_json_atomic(summary, {"status": "completed", "pad": "x" * 1000})
+    with pytest.raises(_Killed):
+        checkpoint.save(ckpt, {"step": 2})
+    monkeypatch.undo()
+    assert (summary.read_bytes(), ckpt.read_bytes()) == before
+    assert checkpoint.load(ckpt)["step"] == 1
+
+
+def test_every_guarantee_names_tests_that_exist() -> None:
+    """docs/guarantees.md: every row of its tables names at least one test, and each named test exists."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "guarantees.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and not line.startswith(("| guarantee", "| what", "| trusted"))]
+    node = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+    for row in rows:
+        if "**" in row or row.count("|") == 6:  # a promise, or a refusal (4 columns)
+            assert node.search(row), f"no test named for: {row[:80]}"
+    for path, name in node.findall(doc):
+        assert re.search(rf"^def {name}\(", (root / path).read_text(), re.M), f"{path}::{name} does not exist"
