@@ -1,0 +1,630 @@
+"""Why does the loss scale collapse, and what would fix it? One step, diagnosed.
+
+``diagnose(model, loss_fn, batch, precision="fp16", scaler=None)`` re-runs one training step
+of the user's own model on the user's own batch and returns a :class:`Diagnosis`. It needs no
+training loop: ``loss_fn(model, batch)`` must return the scalar loss (the forward included).
+
+Passes (the model's weights, ``.grad``, buffers and RNG state are left as they were):
+
+1. **mixed**: forward under ``torch.autocast(dtype=fp16|bf16)`` with a forward hook on every
+   module, then backward of ``loss * S`` (``S`` = the scaler's scale, else 2^16, the
+   ``GradScaler`` default) with full backward hooks; when that backward overflows, a second
+   backward of ``loss * 1`` through the same graph tells whether the overflow is
+   *scale-independent*;
+2. **fp32**: forward and backward with autocast off: the reference gradient ``r`` and the fp32
+   activation-gradient abs-max of each module.
+
+So two forward+backward passes by default; ``compare_strategies=True`` (the default) adds
+backward passes only (through the retained mixed graph): one per registered strategy to see the
+scale it would choose from this gradient, one per distinct such scale to measure its damage.
+Strategies that must hook the forward (``attach``: ``layerwise``) are listed as not compared.
+
+**First module out of range.** Forward: the first module, in completion order, whose inputs
+are finite and whose output is not (inner modules complete first, so this is the innermost
+culprit); its fp32 value is recomputed from the same inputs (one module call). Backward: the
+first module, in backward order, whose output gradient is finite and whose input gradient is
+not (full backward hooks); if no activation gradient overflows, the first module owning a
+non-finite parameter gradient.
+
+**Underflow damage** per layer (``strategies.boundaries.layers``) of the unscaled mixed
+gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
+``cosine = <g, r> / (||g|| ||r||)`` — the same definitions as the app's fidelity probe.
+
+**Decision list** (the first check that holds is the cause):
+
+1. ``nan_in_data_or_loss`` — a floating tensor of the batch holds NaN/Inf, or the fp32 forward
+   itself is non-finite (the loss, not the format, is broken);
+2. ``grads_not_cleared`` — the parameters held gradients before the step whose norm is at least
+   ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing);
+3. ``lr_spike`` — the step overflows (forward or backward) and the last learning rate of
+   ``lr_history`` is at least ``2x`` the median of the earlier ones;
+4. ``forward_overflow`` — the mixed forward is non-finite while the fp32 forward is finite
+   (no loss scale can help: the scale acts on the backward only);
+5. ``gradient_overflow`` — the backward overflows at ``S`` *and* at ``S = 1``: genuine
+   gradient overflow, independent of the scale;
+6. ``scale_overflow`` — the backward overflows at ``S`` only: the scaler's normal probing, it
+   backs off (benign unless it repeats at every scale);
+7. ``underflow`` — some layer loses at least ``underflow_threshold`` (1%) of its nonzero
+   gradient entries, or its cosine to fp32 is below 0.99;
+8. ``healthy`` — none of the above.
+
+Sources: the T5 fp16 forward overflow (the FFN output ``wo`` exceeds 65504; HF transformers
+issue #9295 and ``_keep_in_fp32_modules``), attention-logit growth (Wortsman et al. 2023,
+"Small-scale proxies for large-scale Transformer training instabilities": QK-layernorm),
+HF's ``DebugUnderflowOverflow`` (forward hooks, first module with inf/nan), and the loss-scaling
+recipe of Micikevicius et al. 2018.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+import strategies
+from strategies.boundaries import layers
+from strategies.stats import unscale_and_stats_reference
+
+__all__ = ["CAUSES", "EXIT_CODES", "Diagnosis", "LayerDamage", "diagnose"]
+
+CAUSES = (
+    "healthy",
+    "scale_overflow",
+    "forward_overflow",
+    "nan_in_data_or_loss",
+    "grads_not_cleared",
+    "lr_spike",
+    "gradient_overflow",
+    "underflow",
+)
+"""Every verdict class, in the order of their exit codes."""
+
+EXIT_CODES = {
+    "healthy": 0,
+    "scale_overflow": 1,
+    # 2 is left to command-line errors (argparse's usage code).
+    "forward_overflow": 3,
+    "nan_in_data_or_loss": 4,
+    "grads_not_cleared": 5,
+    "lr_spike": 6,
+    "gradient_overflow": 7,
+    "underflow": 8,
+}
+"""Exit code of ``scalelab-doctor`` per cause (2: the run directory or the command line is bad)."""
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_SCALE = 2.0**16
+ACCUMULATED_RATIO = 2.0
+LR_SPIKE_RATIO = 2.0
+ATTENTION_WORDS = ("attn", "attention", "qk", "logit", "score")
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class LayerDamage:
+    """Underflow damage of one layer's gradient at one scale, against the fp32 gradient."""
+
+    layer: str
+    scale: float
+    lost_frac: float
+    cosine: float
+    found_inf: bool
+
+
+@dataclass
+class Diagnosis:
+    """The doctor's verdict on one step (see the module docstring for the decision list)."""
+
+    cause: str
+    verdict: str
+    fix: str
+    precision: str
+    scale: float
+    first_module: str | None = None
+    tensor: str | None = None
+    value: float | None = None
+    evidence: list[str] = field(default_factory=list)
+    per_layer: list[LayerDamage] = field(default_factory=list)
+    strategy_scales: dict[str, float] = field(default_factory=dict)
+    not_compared: dict[str, str] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.cause]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["exit_code"] = self.exit_code
+        return out
+
+    def to_json(self) -> str:
+        """JSON text; non-finite numbers become the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
+        return json.dumps(_finite_json(self.to_dict()), indent=2)
+
+    def table(self) -> str:
+        """The per-layer damage as fixed-width text: one row per layer, one column pair per scale."""
+        scales = sorted({d.scale for d in self.per_layer})
+        names = list(dict.fromkeys(d.layer for d in self.per_layer))
+        if not names:
+            return ""
+        cell = {(d.layer, d.scale): d for d in self.per_layer}
+        width = max(len(n) for n in names + ["layer"])
+        head = f"{'layer':<{width}}" + "".join(f"  {'S=' + _num(s) + ' lost/cos':>22}" for s in scales)
+        rows = [head]
+        for n in names:
+            parts = []
+            for s in scales:
+                d = cell.get((n, s))
+                parts.append(f"  {'-':>22}" if d is None else f"  {_pct(d.lost_frac) + ' / ' + _cos(d):>22}")
+            rows.append(f"{n:<{width}}" + "".join(parts))
+        return "\n".join(rows)
+
+    def text(self) -> str:
+        """The verdict readable at a glance: cause, where, value, fix, evidence, damage table."""
+        lines = [f"verdict: {self.cause.upper()} — {self.verdict}"]
+        if self.first_module is not None:
+            where = f"{self.first_module}" + (f" ({self.tensor})" if self.tensor else "")
+            lines.append(f"where:   {where}" + (f", value {_num(self.value)}" if self.value is not None else ""))
+        lines.append(f"fix:     {self.fix}")
+        lines += [f"  - {e}" for e in self.evidence]
+        if self.strategy_scales:
+            lines.append("scales the strategies would choose: "
+                         + ", ".join(f"{k}={_num(v)}" for k, v in sorted(self.strategy_scales.items())))
+        table = self.table()
+        if table:
+            lines += ["per-layer underflow (lost nonzero entries / cosine vs fp32):", table]
+        return "\n".join(lines)
+
+
+def _finite_json(node: Any) -> Any:
+    if isinstance(node, float) and not math.isfinite(node):
+        return str(node)
+    if isinstance(node, dict):
+        return {k: _finite_json(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_finite_json(v) for v in node]
+    return node
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.1f}%"
+
+
+def _cos(d: LayerDamage) -> str:
+    return "inf" if d.found_inf else ("nan" if d.cosine != d.cosine else f"{d.cosine:.4f}")
+
+
+def _finite(obj: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tree_leaves(obj)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _has_nan(obj: Any) -> bool:
+    return any(bool(torch.isnan(t).any()) for t in tree_leaves(obj)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _absmax(obj: Any) -> float:
+    vals = [float(t.detach().abs().max()) for t in tree_leaves(obj)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return max(vals, default=0.0)
+
+
+def _out_of_range(low: Any, wide: Any) -> tuple[float, bool]:
+    """Compare a low-precision output with its fp32 recomputation: ``(value, new)`` where ``new``
+    says the low-precision output has non-finite entries the fp32 one lacks, and ``value`` is the
+    largest fp32 magnitude at those entries (``inf`` when fp32 is non-finite there too)."""
+    value, new = 0.0, False
+    for a, b in zip(tree_leaves(low), tree_leaves(wide)):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()):
+            continue
+        bad = ~torch.isfinite(a)
+        if b.shape != a.shape:
+            new = new or bool(bad.any())
+            continue
+        fresh = bad & torch.isfinite(b)
+        if bool(fresh.any()):
+            new = True
+            value = max(value, float(b[fresh].abs().max()))
+        elif bool((bad & torch.isnan(a) & ~torch.isnan(b)).any()):
+            new, value = True, float("inf")
+    return value, new
+
+
+@dataclass
+class _Record:
+    """What the hooks saw in one pass."""
+
+    forward_first: tuple[str, str, float] | None = None  # module, tensor, fp32 value
+    backward_first: tuple[str, str] | None = None
+    grad_absmax: dict[str, float] = field(default_factory=dict)  # module -> max |output gradient|
+    backward_order: list[str] = field(default_factory=list)  # leaf modules in backward (hook) order
+    backward_on: bool = False
+    wide: bool = False  # an fp32 pass: blame the first NaN made from NaN-free inputs instead
+    busy: bool = False  # inside a recomputation: the hooks stay quiet
+
+
+@contextlib.contextmanager
+def _hooks(model: torch.nn.Module, rec: _Record, device_type: str) -> Iterator[None]:
+    """Forward hooks on every module and full backward hooks on every leaf module, feeding ``rec``."""
+    handles = []
+    names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
+
+    def forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if rec.forward_first is not None or rec.busy:
+            return
+        if rec.wide:
+            if _has_nan(output) and not _has_nan(args):
+                name = names[id(module)]
+                rec.forward_first = (name, f"{name} output", float("nan"))
+            return
+        if _finite(output) or not _finite(args):
+            return
+        # Candidate: finite inputs, non-finite output. Recompute it in fp32 from the same inputs;
+        # intentional infinities (a -inf attention mask) are there in fp32 too and do not count.
+        name = names[id(module)]
+        rec.busy = True
+        try:
+            with torch.no_grad(), torch.autocast(device_type, enabled=False):
+                wide = module(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                for a in args])
+        except Exception:  # noqa: BLE001 - a module that cannot be re-called: blame it, value unknown
+            rec.forward_first = (name, f"{name} output", float("inf"))
+            return
+        finally:
+            rec.busy = False
+        value, new = _out_of_range(output, wide)
+        if new:
+            rec.forward_first = (name, f"{name} output", value)
+
+    def backward(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+        if not rec.backward_on:
+            return
+        name = names[id(module)]
+        rec.grad_absmax[name] = max(rec.grad_absmax.get(name, 0.0), _absmax(grad_output))
+        rec.backward_order.append(name)
+        if rec.backward_first is None and _finite(grad_output) and not _finite(grad_input):
+            rec.backward_first = (name, f"gradient of {name}'s input")
+
+    try:
+        for m in model.modules():
+            handles.append(m.register_forward_hook(forward))
+            if not list(m.children()):
+                handles.append(m.register_full_backward_hook(backward))
+        with warnings.catch_warnings():  # the first layer's inputs need no gradient: expected
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _preserved(model: torch.nn.Module) -> Iterator[None]:
+    """Leave ``.grad``, buffers and the RNG state exactly as they were."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    b.copy_(buffers[k])
+
+
+def _layer_index(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> tuple[list[str], list[int]]:
+    owner: dict[int, str] = {}
+    for name in layers(model):
+        for p in model.get_submodule(name).parameters():
+            owner.setdefault(id(p), name)
+    names = list(dict.fromkeys(owner.get(id(p), "other") for p in params))
+    return names, [names.index(owner.get(id(p), "other")) for p in params]
+
+
+def _damage(grads: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], scale: float,
+            names: list[str], index: list[int]) -> list[LayerDamage]:
+    """Per layer: lost fraction and cosine of ``grads / scale`` against ``ref``; overflow via the
+    shared statistics pass (``strategies.stats``)."""
+    work = [g.detach().float().clone() for g in grads]
+    stats = unscale_and_stats_reference(work, torch.tensor(1.0 / scale), index, len(names))
+    sums = torch.zeros(len(names), 5, dtype=torch.float64)
+    for k, g, r in zip(index, work, ref):
+        g, r = g.double(), r.double()
+        nz = r != 0
+        sums[k] += torch.stack([(g * r).sum(), g.square().sum(), r.square().sum(), nz.sum().double(),
+                                (nz & (g == 0)).sum().double()])
+    out = []
+    for i, name in enumerate(names):
+        dot, gg, rr, nz, lost = sums[i].tolist()
+        cos = dot / math.sqrt(gg * rr) if gg > 0 and rr > 0 else float("nan")
+        out.append(LayerDamage(name, scale, lost / nz if nz else 0.0, cos, bool(stats.found_inf[i] > 0)))
+    return out
+
+
+def _backward(loss: torch.Tensor, params: list[torch.nn.Parameter], scale: float) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach().float() for g, p in zip(grads, params)]
+
+
+def _first_backward(model: torch.nn.Module, params: list[torch.nn.Parameter], grads: list[torch.Tensor],
+                    rec: _Record) -> tuple[str, str] | None:
+    """The first module, in backward order, whose input gradient or parameter gradient is non-finite."""
+    bad = {id(p) for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())}
+    owners = list(dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n, p in model.named_parameters()
+                                if id(p) in bad))
+    order = {n: i for i, n in reversed(list(enumerate(rec.backward_order)))}
+    found: list[tuple[int, str, str]] = [(order.get(m, len(order)), m, f"{m} parameter gradient") for m in owners]
+    if rec.backward_first is not None:
+        found.append((order.get(rec.backward_first[0], len(order)), *rec.backward_first))
+    if not found:
+        return None
+    _, module, tensor = min(found)
+    return module, tensor
+
+
+def _strategy_scales(names: Sequence[str], loss: torch.Tensor, params: list[torch.nn.Parameter],
+                     model: torch.nn.Module, reference: Callable[[], torch.Tensor]
+                     ) -> tuple[dict[str, float], dict[str, str]]:
+    """The scale each strategy chooses after one step on this gradient (its own scale, unscale_,
+    step and update; an SGD with lr=0 as the optimizer, so nothing moves)."""
+    chosen: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        strat = strategies.create(name)
+        if type(strat).attach is not strategies.Strategy.attach:
+            skipped[name] = "hooks the forward pass (attach): not comparable on a recorded graph"
+            continue
+        strat.set_reference(reference, params)
+        opt = torch.optim.SGD(params, lr=0.0)
+        saved = [p.grad for p in params]
+        try:
+            grads = torch.autograd.grad(strat.scale(loss), params, retain_graph=True, allow_unused=True)
+            for p, g in zip(params, grads):
+                p.grad = None if g is None else g.to(p.dtype)
+            strat.step(opt)
+            strat.update()
+            chosen[name] = float(strat.get_scale())
+        except (RuntimeError, ValueError) as exc:
+            skipped[name] = " ".join(str(exc).split())[:160]
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+    return chosen, skipped
+
+
+def _lr_spike(lr_history: Sequence[float] | None) -> float | None:
+    """``lr_now / median(earlier)`` when it is at least :data:`LR_SPIKE_RATIO`, else ``None``."""
+    if not lr_history or len(lr_history) < 2:
+        return None
+    earlier = sorted(float(v) for v in lr_history[:-1])
+    median = earlier[len(earlier) // 2]
+    ratio = float(lr_history[-1]) / median if median > 0 else float("inf")
+    return ratio if ratio >= LR_SPIKE_RATIO else None
+
+
+def _is_attention(name: str) -> bool:
+    return any(w in name.lower() for w in ATTENTION_WORDS)
+
+
+def diagnose(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    precision: str = "fp16",
+    scaler: Any = None,
+    *,
+    scale: float | None = None,
+    lr_history: Sequence[float] | None = None,
+    compare_strategies: bool = True,
+    strategy_names: Sequence[str] | None = None,
+    underflow_threshold: float = 0.01,
+    device_type: str | None = None,
+) -> Diagnosis:
+    """Diagnose one step of ``model`` on ``batch`` (see the module docstring for the method).
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> scalar loss`` (runs the forward).
+        precision: ``"fp16"`` or ``"bf16"`` (``torch.autocast``).
+        scaler: a ``GradScaler``-like object; its ``get_scale()`` is the current scale ``S``.
+        scale: ``S`` when no scaler is given (default 2^16, GradScaler's initial scale).
+        lr_history: learning rates of the recent steps, the current one last (for ``lr_spike``).
+        compare_strategies: also measure the scale each registered strategy would choose.
+        strategy_names: which strategies to compare (default: every registered one).
+        underflow_threshold: lost fraction of a layer's nonzero entries that counts as damage.
+    """
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+    if not 0.0 < underflow_threshold < 1.0:
+        raise ValueError(f"underflow_threshold must be in (0, 1), got {underflow_threshold}")
+    S = float(scaler.get_scale()) if scaler is not None else float(scale if scale is not None else DEFAULT_SCALE)
+    if not (math.isfinite(S) and S > 0):
+        raise ValueError(f"scale must be finite and > 0, got {S}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no parameter that requires grad")
+    dev = device_type or params[0].device.type
+    fmax = float(torch.finfo(DTYPES[precision]).max)
+    names, index = _layer_index(model, params)
+    evidence: list[str] = []
+    passes = {"forward": 0, "backward": 0}
+    prior = [p.grad.detach().float().clone() if p.grad is not None else None for p in params]
+    prior_norm = math.sqrt(sum(float(g.double().square().sum()) for g in prior if g is not None))
+    bad_data = [f"batch tensor {i} ({tuple(t.shape)}) holds {int((~torch.isfinite(t)).sum())} NaN/Inf entries"
+                for i, t in enumerate(tree_leaves(batch))
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+    with _preserved(model):
+        rng = torch.get_rng_state()
+        # Pass 2 first (fp32): the reference gradient and activation-gradient magnitudes.
+        ref_rec = _Record(backward_on=True, wide=True)
+        with _hooks(model, ref_rec, dev), torch.autocast(dev, enabled=False), torch.enable_grad():
+            ref_loss = loss_fn(model, batch)
+            passes["forward"] += 1
+            fp32_finite = bool(torch.isfinite(ref_loss).all())
+            ref = _backward(ref_loss.float(), params, 1.0) if fp32_finite else [torch.zeros_like(p) for p in params]
+            passes["backward"] += int(fp32_finite)
+        ref_norm = math.sqrt(sum(float(r.double().square().sum()) for r in ref))
+        ref_first = ref_rec.forward_first
+        # Pass 1 (mixed): forward under autocast, backward at S, and at 1 when S overflows.
+        torch.set_rng_state(rng)
+        rec = _Record()
+        with _hooks(model, rec, dev), torch.enable_grad():
+            with torch.autocast(dev, dtype=DTYPES[precision]):
+                loss = loss_fn(model, batch)
+            passes["forward"] += 1
+            loss = loss.float()
+            fwd_finite = bool(torch.isfinite(loss).all())
+            grads: list[torch.Tensor] = []
+            back_first: tuple[str, str] | None = None
+            at_one_finite = True
+            chosen: dict[str, float] = {}
+            skipped: dict[str, str] = {}
+            per_layer: list[LayerDamage] = []
+            if fwd_finite:
+                rec.backward_on = True
+                grads = _backward(loss, params, S)
+                passes["backward"] += 1
+                rec.backward_on = False
+                grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
+                if not grads_finite:
+                    back_first = _first_backward(model, params, grads, rec)
+                if fp32_finite:
+                    per_layer = _damage(grads, ref, S, names, index)
+                if not grads_finite:
+                    at_one = _backward(loss, params, 1.0)
+                    passes["backward"] += 1
+                    at_one_finite = all(bool(torch.isfinite(g).all()) for g in at_one)
+                if compare_strategies and fp32_finite:
+                    def reference() -> torch.Tensor:
+                        with torch.autocast(dev, enabled=False):
+                            return loss_fn(model, batch).float()
+                    chosen, skipped = _strategy_scales(strategy_names or strategies.available(), loss, params,
+                                                       model, reference)
+                    passes["backward"] += len(chosen)
+                    for s in sorted(set(chosen.values()) - {S}):
+                        per_layer += _damage(_backward(loss, params, s), ref, s, names, index)
+                        passes["backward"] += 1
+            else:
+                grads_finite = False
+
+    diag = Diagnosis(cause="healthy", verdict="", fix="", precision=precision, scale=S,
+                     per_layer=per_layer, strategy_scales=chosen, not_compared=skipped, passes=passes)
+    spike = _lr_spike(lr_history)
+    overflow = not fwd_finite or not grads_finite
+    safe = fmax / max(ref_rec.grad_absmax.values(), default=0.0) if ref_rec.grad_absmax else float("inf")
+
+    # 1. NaN/Inf in the data or the loss itself.
+    if bad_data or not fp32_finite:
+        diag.cause = "nan_in_data_or_loss"
+        evidence += bad_data
+        if ref_first is not None:
+            diag.first_module, diag.tensor, diag.value = ref_first
+        if not fp32_finite:
+            evidence.append(f"the fp32 loss is {float(ref_loss.detach()):g}: no precision or scale makes this step finite")
+        diag.verdict = "the batch or the loss is non-finite before any low-precision arithmetic"
+        diag.fix = ("drop or repair the batch (check the data pipeline for NaN/Inf), guard the loss "
+                    "(e.g. log(x + eps)); skip such batches instead of letting the scaler back off")
+    # 2. Gradients accumulated over steps.
+    elif prior_norm > 0 and ref_norm > 0 and prior_norm >= ACCUMULATED_RATIO * ref_norm:
+        diag.cause = "grads_not_cleared"
+        evidence.append(f"the parameters already held gradients of norm {prior_norm:.4g} before this step, "
+                        f"{prior_norm / ref_norm:.1f}x this step's fp32 gradient norm {ref_norm:.4g}")
+        diag.verdict = "gradients are accumulating across steps: .grad was never cleared"
+        diag.fix = "call optimizer.zero_grad(set_to_none=True) after every optimizer step (or every accumulation window)"
+    # 3. A learning-rate spike that made the step overflow.
+    elif overflow and spike is not None:
+        diag.cause = "lr_spike"
+        first = rec.forward_first if not fwd_finite else back_first
+        if first is not None:
+            diag.first_module, diag.tensor = first[0], first[1]
+        evidence.append(f"learning rate {lr_history[-1]:g} is {spike:.1f}x the median of the previous "
+                        f"{len(lr_history) - 1} steps, and this step overflows in the "
+                        f"{'forward' if not fwd_finite else 'backward'} pass")
+        diag.verdict = "the step overflows right after a learning-rate spike"
+        diag.fix = "lower the peak learning rate or lengthen the warmup; add gradient clipping"
+    # 4. Forward overflow: scale-independent by construction.
+    elif not fwd_finite:
+        diag.cause = "forward_overflow"
+        if rec.forward_first is not None:
+            diag.first_module, diag.tensor, diag.value = rec.forward_first
+        name = diag.first_module or "the first overflowing module"
+        evidence.append(f"the {precision} forward is non-finite, the fp32 forward is finite (loss {float(ref_loss.detach()):.4g})")
+        if diag.value is not None and math.isfinite(diag.value):
+            evidence.append(f"{name} outputs {diag.value:.6g} in fp32, above the {precision} maximum {fmax:.6g}")
+        evidence.append("the loss scale multiplies the backward only: every scaler skips this step at every scale")
+        diag.verdict = f"forward overflow in {precision} at {name}: no loss scale can fix it"
+        diag.fix = (f"keep {name} in fp32 (run its forward under torch.autocast(..., enabled=False) on a .float() "
+                    "input, as HF keeps T5's `wo` via _keep_in_fp32_modules), or train in bf16")
+        if _is_attention(name):
+            diag.fix += "; attention logits grow: add QK-norm (LayerNorm on q and k, Wortsman et al. 2023) or lower the LR"
+    # 5. Gradient overflow at S = 1 too.
+    elif not grads_finite and not at_one_finite:
+        diag.cause = "gradient_overflow"
+        if back_first is not None:
+            diag.first_module, diag.tensor = back_first
+            diag.value = ref_rec.grad_absmax.get(back_first[0])
+        evidence.append(f"the backward overflows at S={S:g} and at S=1: the gradient itself exceeds {precision}'s range")
+        name = diag.first_module or "the overflowing module"
+        diag.verdict = f"gradient overflow at {name}, independent of the loss scale"
+        diag.fix = f"keep {name} in fp32 (autocast exclusion), or train in bf16; clip or lower the LR if it grew recently"
+    # 6. Overflow only at this scale: the scaler's own probing.
+    elif not grads_finite:
+        diag.cause = "scale_overflow"
+        if back_first is not None:
+            diag.first_module, diag.tensor = back_first
+            diag.value = ref_rec.grad_absmax.get(back_first[0], 0.0) * S
+        evidence.append(f"the backward overflows at S={S:g} but not at S=1; the largest safe scale is about "
+                        f"{safe:.4g} ({precision} max / fp32 activation-gradient abs-max)")
+        diag.verdict = f"the scale {S:g} is too high for this step; the scaler backs off (normal probing)"
+        diag.fix = ("nothing, unless it repeats every step: then a scaler that targets the abs-max "
+                    "(strategy=max_ema or amax_history) instead of probing")
+    else:
+        damaged = [d for d in per_layer if d.scale == S and (d.lost_frac >= underflow_threshold or d.cosine < 0.99)]
+        if damaged:
+            diag.cause = "underflow"
+            worst = max(damaged, key=lambda d: d.lost_frac)
+            diag.first_module, diag.tensor, diag.value = worst.layer, f"{worst.layer} parameter gradient", worst.lost_frac
+            evidence.append(f"at S={S:g}, {worst.layer} loses {_pct(worst.lost_frac)} of its nonzero gradient "
+                            f"entries (cosine {_cos(worst)})")
+            best = _best_scale(per_layer, S)
+            who = sorted(k for k, v in chosen.items() if v == best)
+            diag.verdict = f"{precision} gradients underflow at S={S:g}: {len(damaged)} layer(s) lose gradient"
+            if best is not None and best != S:
+                lost = max(d.lost_frac for d in per_layer if d.scale == best)
+                evidence.append(f"at S={best:g} (chosen by {', '.join(who)}) the worst layer loses {_pct(lost)}")
+                diag.fix = f"a larger scale: strategy={who[0]} (S={best:g}), or bf16"
+            else:
+                diag.fix = (f"raise the scale toward the safe {safe:.4g} (strategy=underflow_target or max_ema), "
+                            "or train in bf16")
+        else:
+            diag.verdict = f"no overflow, no underflow damage above {_pct(underflow_threshold)} at S={S:g}"
+            diag.fix = "nothing to fix for this step"
+    diag.evidence = evidence
+    return diag
+
+
+def _best_scale(per_layer: list[LayerDamage], current: float) -> float | None:
+    """The finite-gradient scale whose worst layer loses the least (ties: the current scale)."""
+    by_scale: dict[float, float] = {}
+    for d in per_layer:
+        worst = float("inf") if d.found_inf else d.lost_frac
+        by_scale[d.scale] = max(by_scale.get(d.scale, 0.0), worst)
+    finite = {s: v for s, v in by_scale.items() if math.isfinite(v)}
+    if not finite:
+        return None
+    return min(finite, key=lambda s: (finite[s], s != current))
