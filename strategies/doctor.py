@@ -250,6 +250,7 @@ class _Record:
     forward_first: tuple[str, str, float] | None = None  # module, tensor, fp32 value
     backward_first: tuple[str, str] | None = None
     grad_absmax: dict[str, float] = field(default_factory=dict)  # module -> max |output gradient|
+    grad_in_absmax: dict[str, float] = field(default_factory=dict)  # module -> max |input gradient|
     backward_order: list[str] = field(default_factory=list)  # leaf modules in backward (hook) order
     backward_on: bool = False
     wide: bool = False  # an fp32 pass: blame the first NaN made from NaN-free inputs instead
@@ -294,6 +295,7 @@ def _hooks(model: torch.nn.Module, rec: _Record, device_type: str) -> Iterator[N
             return
         name = names[id(module)]
         rec.grad_absmax[name] = max(rec.grad_absmax.get(name, 0.0), _absmax(grad_output))
+        rec.grad_in_absmax[name] = max(rec.grad_in_absmax.get(name, 0.0), _absmax(grad_input))
         rec.backward_order.append(name)
         if rec.backward_first is None and _finite(grad_output) and not _finite(grad_input):
             rec.backward_first = (name, f"gradient of {name}'s input")
@@ -405,6 +407,18 @@ def _strategy_scales(names: Sequence[str], loss: torch.Tensor, params: list[torc
             for p, g in zip(params, saved):
                 p.grad = g
     return chosen, skipped
+
+
+def _backward_value(first: tuple[str, str], model: torch.nn.Module, params: list[torch.nn.Parameter],
+                    ref: list[torch.Tensor], ref_rec: _Record, scale: float) -> float | None:
+    """The magnitude the overflowing tensor needed: its fp32 abs-max times ``scale``."""
+    module, tensor = first
+    if tensor.endswith("parameter gradient"):
+        mine = {id(p) for p in model.get_submodule(module).parameters(recurse=False)} if module else set()
+        vals = [float(r.abs().max()) for p, r in zip(params, ref) if id(p) in mine and r.numel()]
+        return max(vals) * scale if vals else None
+    value = ref_rec.grad_in_absmax.get(module)
+    return None if value is None else value * scale
 
 
 def _lr_spike(lr_history: Sequence[float] | None) -> float | None:
@@ -577,7 +591,7 @@ def diagnose(
         diag.cause = "gradient_overflow"
         if back_first is not None:
             diag.first_module, diag.tensor = back_first
-            diag.value = ref_rec.grad_absmax.get(back_first[0])
+            diag.value = _backward_value(back_first, model, params, ref, ref_rec, 1.0)
         evidence.append(f"the backward overflows at S={S:g} and at S=1: the gradient itself exceeds {precision}'s range")
         name = diag.first_module or "the overflowing module"
         diag.verdict = f"gradient overflow at {name}, independent of the loss scale"
@@ -587,7 +601,7 @@ def diagnose(
         diag.cause = "scale_overflow"
         if back_first is not None:
             diag.first_module, diag.tensor = back_first
-            diag.value = ref_rec.grad_absmax.get(back_first[0], 0.0) * S
+            diag.value = _backward_value(back_first, model, params, ref, ref_rec, S)
         evidence.append(f"the backward overflows at S={S:g} but not at S=1; the largest safe scale is about "
                         f"{safe:.4g} ({precision} max / fp32 activation-gradient abs-max)")
         diag.verdict = f"the scale {S:g} is too high for this step; the scaler backs off (normal probing)"
