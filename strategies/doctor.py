@@ -37,7 +37,7 @@ gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
 2. ``grads_not_cleared`` — the parameters held gradients before the step whose norm is at least
    ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing);
 3. ``lr_spike`` — the step overflows (forward or backward) and the last learning rate of
-   ``lr_history`` is at least ``2x`` the median of the earlier ones;
+   ``lr_history`` (at least three rates) is at least ``2x`` the largest of the earlier ones;
 4. ``forward_overflow`` — the mixed forward is non-finite while the fp32 forward is finite
    (no loss scale can help: the scale acts on the backward only);
 5. ``gradient_overflow`` — the backward overflows at ``S`` *and* at ``S = 1``: genuine
@@ -422,12 +422,12 @@ def _backward_value(first: tuple[str, str], model: torch.nn.Module, params: list
 
 
 def _lr_spike(lr_history: Sequence[float] | None) -> float | None:
-    """``lr_now / median(earlier)`` when it is at least :data:`LR_SPIKE_RATIO`, else ``None``."""
-    if not lr_history or len(lr_history) < 2:
+    """``lr_now / max(earlier)`` when it is at least :data:`LR_SPIKE_RATIO` (at least three rates
+    given, so a linear warmup, whose step-to-step ratio is below 2 from its third step, is no spike)."""
+    if not lr_history or len(lr_history) < 3:
         return None
-    earlier = sorted(float(v) for v in lr_history[:-1])
-    median = earlier[len(earlier) // 2]
-    ratio = float(lr_history[-1]) / median if median > 0 else float("inf")
+    peak = max(float(v) for v in lr_history[:-1])
+    ratio = float(lr_history[-1]) / peak if peak > 0 else float("inf")
     return ratio if ratio >= LR_SPIKE_RATIO else None
 
 
@@ -566,7 +566,7 @@ def diagnose(
         first = rec.forward_first if not fwd_finite else back_first
         if first is not None:
             diag.first_module, diag.tensor = first[0], first[1]
-        evidence.append(f"learning rate {lr_history[-1]:g} is {spike:.1f}x the median of the previous "
+        evidence.append(f"learning rate {lr_history[-1]:g} is {spike:.1f}x the largest of the previous "
                         f"{len(lr_history) - 1} steps, and this step overflows in the "
                         f"{'forward' if not fwd_finite else 'backward'} pass")
         diag.verdict = "the step overflows right after a learning-rate spike"
