@@ -171,3 +171,13 @@ def test_bad_arguments_are_one_line_errors(kwargs: dict, message: str) -> None:
     model, batch = mlp()
     with pytest.raises(ValueError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
         diagnose(model, ce, batch, **kwargs)
+
+
+def test_an_intentional_minus_inf_mask_is_not_an_overflow() -> None:
+    # blocks.0.scores outputs -inf above the diagonal in fp32 too: the overflow is at fc_out.
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=64, attention="explicit", ffn_gain=3000.0)
+    batch = (torch.randint(32, (4, 16)), torch.randint(32, (4, 16)))
+    d = diagnose(model, ce, batch, compare_strategies=False)
+    assert d.cause == "forward_overflow" and d.first_module == "blocks.0.fc_out"
+    assert 65504 < d.value < math.inf
