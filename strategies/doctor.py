@@ -32,8 +32,9 @@ gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
 
 **Decision list** (the first check that holds is the cause):
 
-1. ``nan_in_data_or_loss`` — a floating tensor of the batch holds NaN/Inf, or the fp32 forward
-   itself is non-finite (the loss, not the format, is broken);
+1. ``nan_in_data_or_loss`` — a floating tensor of the batch (or a parameter: an earlier step
+   already wrote NaN into the weights) holds NaN/Inf, or the fp32 forward itself is non-finite
+   (the loss, not the format, is broken);
 2. ``grads_not_cleared`` — the parameters held gradients before the step whose norm is at least
    ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing);
 3. ``lr_spike`` — the step overflows (forward or backward) and the last learning rate of
@@ -69,6 +70,7 @@ from torch.utils._pytree import tree_leaves
 
 import strategies
 from strategies.boundaries import layers
+from strategies.state import ScaleFloorError
 from strategies.stats import unscale_and_stats_reference
 
 __all__ = ["CAUSES", "EXIT_CODES", "Diagnosis", "LayerDamage", "diagnose"]
@@ -145,9 +147,18 @@ class Diagnosis:
         out["exit_code"] = self.exit_code
         return out
 
+    def to_json_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with non-finite numbers as the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
+        return _finite_json(self.to_dict())
+
     def to_json(self) -> str:
-        """JSON text; non-finite numbers become the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
-        return json.dumps(_finite_json(self.to_dict()), indent=2)
+        """JSON text of :meth:`to_json_dict`."""
+        return json.dumps(self.to_json_dict(), indent=2)
+
+    def one_line(self) -> str:
+        """The verdict in one line, e.g. for an error message: ``cause at module: verdict; fix: ...``."""
+        where = f" at {self.first_module}" if self.first_module else ""
+        return f"doctor: {self.cause}{where}: {self.verdict}; fix: {self.fix}"
 
     def table(self) -> str:
         """The per-layer damage as fixed-width text: one row per layer, one column pair per scale."""
@@ -421,6 +432,15 @@ def _backward_value(first: tuple[str, str], model: torch.nn.Module, params: list
     return None if value is None else value * scale
 
 
+def _current_scale(scaler: Any) -> float:
+    """The scaler's scale; a strategy that stopped at its floor (``on_min_scale: raise``) raises
+    from ``get_scale()``, and its scale is then the floor it stopped at."""
+    try:
+        return float(scaler.get_scale())
+    except ScaleFloorError:
+        return float(scaler.output_scale())
+
+
 def _lr_spike(lr_history: Sequence[float] | None) -> float | None:
     """``lr_now / max(earlier)`` when it is at least :data:`LR_SPIKE_RATIO` (at least three rates
     given, so a linear warmup, whose step-to-step ratio is below 2 from its third step, is no spike)."""
@@ -465,7 +485,7 @@ def diagnose(
         raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}")
     if not 0.0 < underflow_threshold < 1.0:
         raise ValueError(f"underflow_threshold must be in (0, 1), got {underflow_threshold}")
-    S = float(scaler.get_scale()) if scaler is not None else float(scale if scale is not None else DEFAULT_SCALE)
+    S = _current_scale(scaler) if scaler is not None else float(scale if scale is not None else DEFAULT_SCALE)
     if not (math.isfinite(S) and S > 0):
         raise ValueError(f"scale must be finite and > 0, got {S}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -478,7 +498,9 @@ def diagnose(
     passes = {"forward": 0, "backward": 0}
     prior = [p.grad.detach().float().clone() if p.grad is not None else None for p in params]
     prior_norm = math.sqrt(sum(float(g.double().square().sum()) for g in prior if g is not None))
-    bad_data = [f"batch tensor {i} ({tuple(t.shape)}) holds {int((~torch.isfinite(t)).sum())} NaN/Inf entries"
+    bad_data = [f"parameter {n} holds {int((~torch.isfinite(p)).sum())} NaN/Inf entries (the weights are already lost)"
+                for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())][:3]
+    bad_data += [f"batch tensor {i} ({tuple(t.shape)}) holds {int((~torch.isfinite(t)).sum())} NaN/Inf entries"
                 for i, t in enumerate(tree_leaves(batch))
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
@@ -542,7 +564,7 @@ def diagnose(
     overflow = not fwd_finite or not grads_finite
     safe = fmax / max(ref_rec.grad_absmax.values(), default=0.0) if ref_rec.grad_absmax else float("inf")
 
-    # 1. NaN/Inf in the data or the loss itself.
+    # 1. NaN/Inf in the data, the weights or the loss itself.
     if bad_data or not fp32_finite:
         diag.cause = "nan_in_data_or_loss"
         evidence += bad_data
