@@ -403,6 +403,34 @@ says why.
 ## Side by side: what each tool tells the user
 
 {side_by_side(results)}
+
+## Failure workloads (training app)
+
+| workload | option | source |
+|---|---|---|
+| T5-style FFN forward overflow | `model=gpt_ffn_overflow` | HF transformers #9295 (T5 fp16 NaN; `wo` kept in fp32) |
+| attention-logit growth, and its fix | `model=gpt_logit_growth optimizer.lr=0.3 optimizer.weight_decay=0 train.grad_clip=0` (see its YAML), then `model.qk_norm=true` | Wortsman et al. 2023 |
+| NaN batch | `regime=nan_batch data=vectors model=mlp` (`data.nan_prob`) | broken data pipelines behind "Minimum loss scale reached" reports |
+| fp16 policy gradient, small advantages | `regime=small_advantage`; the REINFORCE toy in this suite | fp16 RL fine-tuning |
+| gradients not cleared | this suite only (the loop always clears) | the missing `zero_grad()` loop bug |
+
+## Automatic use
+
+`experiments.diagnosis.diagnose_run(...)`, called by the training loop once a run ends, writes
+`diagnosis.json` (the fields of `--json`, plus `status` and `step`) when the run stalled
+(`train.max_consecutive_skips`), diverged, or a strategy stopped at its floor
+(`on_min_scale: raise`); it never raises.
+
+## Limits
+
+* The first module is found among `nn.Module`s: an overflow inside a module's own functional
+  code is blamed on that module (e.g. a fused attention call on its block).
+* `grads_not_cleared` needs the `.grad` the step started with: the API sees it, a run directory
+  does not (checkpoints hold no gradients).
+* `lr_spike` needs the learning-rate history (`lr_history`; the CLI passes the configured schedule).
+* The suite's faults are planted by construction (scaled weights, scaled losses, NaN entries);
+  the decision list was written alongside it, so its accuracy is an upper bound for faults
+  that look like these.
 """)
 
 

@@ -600,8 +600,11 @@ def diagnose(
             diag.first_module, diag.tensor, diag.value = rec.forward_first
         name = diag.first_module or "the first overflowing module"
         evidence.append(f"the {precision} forward is non-finite, the fp32 forward is finite (loss {float(ref_loss.detach()):.4g})")
-        if diag.value is not None and math.isfinite(diag.value):
+        if diag.value is not None and math.isfinite(diag.value) and diag.value > fmax:
             evidence.append(f"{name} outputs {diag.value:.6g} in fp32, above the {precision} maximum {fmax:.6g}")
+        elif diag.value is not None and math.isfinite(diag.value):
+            evidence.append(f"{name} outputs at most {diag.value:.6g} in fp32, but an intermediate inside it "
+                            f"(e.g. a product before its scaling) exceeds the {precision} maximum {fmax:.6g}")
         evidence.append("the loss scale multiplies the backward only: every scaler skips this step at every scale")
         diag.verdict = f"forward overflow in {precision} at {name}: no loss scale can fix it"
         diag.fix = (f"keep {name} in fp32 (run its forward under torch.autocast(..., enabled=False) on a .float() "

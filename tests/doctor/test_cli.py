@@ -69,3 +69,20 @@ def test_console_module_runs(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "experiments.doctor_cli", str(tmp_path / "nope")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("scalelab-doctor: error: run directory")
+
+
+LOGITS = ("model=gpt_logit_growth", "optimizer.lr=0.3", "optimizer.weight_decay=0", "train.grad_clip=0", "model.n_layer=2", "model.n_embd=64", "model.n_head=4",
+          "data.block_size=32", "data.max_bytes=200000", "train.batch_size=16", "train.steps=200",
+          "train.log_every=10", "train.checkpoint_every=10", "train.eval_every=0", "train.max_consecutive_skips=10")
+
+
+@pytest.mark.slow
+def test_attention_logit_growth_really_happens_and_qk_norm_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Wortsman et al. 2023 at small scale: the fp16 logits overflow at a high LR; QK-norm trains."""
+    grown, _ = run_tiny(tmp_path / "grown", *LOGITS, model="gpt")
+    assert grown["status"] in ("diverged", "stalled")
+    assert main([str(tmp_path / "grown"), "--json", "--no-strategies"]) == 3
+    data = json.loads(capsys.readouterr().out)
+    assert data["first_module"] == "blocks.0.scores" and "QK-norm" in data["fix"]
+    fixed, _ = run_tiny(tmp_path / "fixed", *LOGITS, "model.qk_norm=true", model="gpt")
+    assert fixed["status"] == "completed"
