@@ -20,7 +20,8 @@ from:
 * ``scale_overflow`` — a loss 100x larger than the default scale allows: overflow at 2^16 only.
 * ``underflow`` — the fp16 policy-gradient toy: REINFORCE's ``-A log pi(a|s)`` with advantages
   ``|A| ~ 1e-7`` (Micikevicius et al. 2018's small-gradient case, as in fp16 RL fine-tuning).
-* ``healthy`` — the same models with nothing planted.
+* ``healthy`` — the same models with nothing planted, and the FFN-overflow GPT in bf16 (the
+  control: bf16's range holds the T5-style output, so the doctor must not cry wolf).
 
 Baselines, computed on the same cases: ``torch.amp.GradScaler`` (skips the step and halves the
 scale: it tells the user nothing); DeepSpeed / fairseq / Megatron (their "Current loss scale
@@ -144,8 +145,17 @@ def _accumulated_cases(seed: int) -> list[Case]:
             return model, _ce, batch, {}
         return build
 
-    return [Case(f"grads_not_cleared/mlp{w}/k{k}/s{seed}", "grads_not_cleared", None, build_for(w, k))
-            for w, k in ((32, 4), (64, 10))]
+    def gpt(k: int) -> Callable:
+        def build() -> tuple:
+            model, batch = _gpt(seed, 32)
+            for _ in range(k):
+                _ce(model, batch).backward()
+            return model, _ce, batch, {}
+        return build
+
+    return ([Case(f"grads_not_cleared/mlp{w}/k{k}/s{seed}", "grads_not_cleared", None, build_for(w, k))
+             for w, k in ((32, 4), (64, 10))]
+            + [Case(f"grads_not_cleared/gpt32/k4/s{seed}", "grads_not_cleared", None, gpt(4))])
 
 
 def _lr_spike_cases(seed: int) -> list[Case]:
@@ -175,6 +185,13 @@ def _gradient_cases(seed: int) -> list[Case]:
             return model, loss, batch, {}
         return build
 
+    def summed_gpt() -> Callable:
+        def build() -> tuple:
+            model, batch = _gpt(seed, 32)
+            loss = lambda m, b: F.cross_entropy(m(b[0]).float().reshape(-1, 64), b[1].reshape(-1), reduction="sum") * 1e5
+            return model, loss, batch, {}
+        return build
+
     def large(width: int) -> Callable:
         def build() -> tuple:
             model, batch = _mlp(seed, width)
@@ -182,6 +199,7 @@ def _gradient_cases(seed: int) -> list[Case]:
         return build
 
     return ([Case(f"sum_loss/mlp{w}/n{n}/s{seed}", "gradient_overflow", "head", summed(w, n)) for w, n in ((32, 64), (64, 256))]
+            + [Case(f"sum_loss/gpt32/s{seed}", "gradient_overflow", "head", summed_gpt())]
             + [Case(f"large_loss/mlp{w}/s{seed}", "scale_overflow", "head", large(w)) for w in (32, 64)])
 
 
@@ -200,13 +218,20 @@ def _underflow_cases(seed: int) -> list[Case]:
             return model, loss, (x, actions, advantages), {}
         return build
 
-    return [Case(f"pg_small_advantage/mlp{w}/A{a:g}/s{seed}", "underflow", None, reinforce(w, a))
-            for w, a in ((32, 1e-7), (64, 3e-8))]
+    def tiny_gpt() -> tuple:
+        model, batch = _gpt(seed, 32)
+        return model, _scaled(_ce, 1e-8), batch, {}  # the tiny_grad regime's loss multiplier
+
+    return ([Case(f"pg_small_advantage/mlp{w}/A{a:g}/s{seed}", "underflow", None, reinforce(w, a))
+             for w, a in ((32, 1e-7), (64, 3e-8))]
+            + [Case(f"tiny_grad/gpt32/s{seed}", "underflow", None, tiny_gpt)])
 
 
 def _healthy_cases(seed: int) -> list[Case]:
     return ([Case(f"plain/mlp{w}/s{seed}", "healthy", None, lambda w=w: _with_ce(_mlp(seed, w))) for w in (32, 64)]
-            + [Case(f"plain/gpt32/s{seed}", "healthy", None, lambda: _with_ce(_gpt(seed, 32)))])
+            + [Case(f"plain/gpt32/s{seed}", "healthy", None, lambda: _with_ce(_gpt(seed, 32))),
+               Case(f"bf16_control/ffn_overflow/gpt32/s{seed}", "healthy", None, lambda: (
+                   *_with_ce(_gpt(seed, 32, ffn_gain=1500.0))[:3], {"precision": "bf16"}))])
 
 
 def cases(seeds: tuple[int, ...] = SEEDS) -> list[Case]:
@@ -280,8 +305,9 @@ def run_case(case: Case, compare_strategies: bool = False) -> Result:
     model, loss_fn, batch, kw = case.build()
     diagnosis = diagnose(model, loss_fn, batch, compare_strategies=compare_strategies, **kw)
     grads = [p.grad for p in model.parameters()]
-    hf = hf_forward_hook_first(model, loss_fn, batch)
-    line = min_scale_line(model, loss_fn, batch)
+    precision = kw.get("precision", "fp16")
+    hf = hf_forward_hook_first(model, loss_fn, batch, precision)
+    line = min_scale_line(model, loss_fn, batch, precision)
     for p, g in zip(model.parameters(), grads):
         p.grad = g
     return Result(case, diagnosis, hf, line)

@@ -391,7 +391,7 @@ def _first_backward(model: torch.nn.Module, params: list[torch.nn.Parameter], gr
 
 
 def _strategy_scales(names: Sequence[str], loss: torch.Tensor, params: list[torch.nn.Parameter],
-                     model: torch.nn.Module, reference: Callable[[], torch.Tensor]
+                     reference: Callable[[], torch.Tensor]
                      ) -> tuple[dict[str, float], dict[str, str]]:
     """The scale each strategy chooses after one step on this gradient (its own scale, unscale_,
     step and update; an SGD with lr=0 as the optimizer, so nothing moves)."""
@@ -491,32 +491,76 @@ def diagnose(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no parameter that requires grad")
-    dev = device_type or params[0].device.type
-    fmax = float(torch.finfo(DTYPES[precision]).max)
-    names, index = _layer_index(model, params)
-    evidence: list[str] = []
-    passes = {"forward": 0, "backward": 0}
-    prior = [p.grad.detach().float().clone() if p.grad is not None else None for p in params]
-    prior_norm = math.sqrt(sum(float(g.double().square().sum()) for g in prior if g is not None))
-    bad_data = [f"parameter {n} holds {int((~torch.isfinite(p)).sum())} NaN/Inf entries (the weights are already lost)"
-                for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())][:3]
-    bad_data += [f"batch tensor {i} ({tuple(t.shape)}) holds {int((~torch.isfinite(t)).sum())} NaN/Inf entries"
-                for i, t in enumerate(tree_leaves(batch))
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    m = _measure(model, loss_fn, batch, params, precision, S, device_type or params[0].device.type,
+                 compare_strategies, strategy_names)
+    return _decide(m, model, params, lr_history, underflow_threshold)
 
+
+@dataclass
+class _Measured:
+    """Everything the passes measured; :func:`_decide` turns it into a :class:`Diagnosis`."""
+
+    precision: str
+    scale: float
+    fmax: float
+    bad_inputs: list[str]  # non-finite batch tensors or parameters
+    prior_norm: float  # ||.grad|| the step started with
+    ref: list[torch.Tensor]  # the fp32 gradient
+    ref_norm: float
+    ref_loss: float
+    ref_rec: _Record
+    rec: _Record
+    fp32_finite: bool
+    fwd_finite: bool
+    grads_finite: bool
+    at_one_finite: bool
+    back_first: tuple[str, str] | None
+    per_layer: list[LayerDamage]
+    chosen: dict[str, float]
+    skipped: dict[str, str]
+    passes: dict[str, int]
+
+
+def _bad_inputs(model: torch.nn.Module, batch: Any) -> list[str]:
+    bad = [f"parameter {n} holds {int((~torch.isfinite(p)).sum())} NaN/Inf entries (the weights are already lost)"
+           for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())][:3]
+    return bad + [f"batch tensor {i} ({tuple(t.shape)}) holds {int((~torch.isfinite(t)).sum())} NaN/Inf entries"
+                  for i, t in enumerate(tree_leaves(batch))
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _norm(tensors: Sequence[torch.Tensor | None]) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t is not None))
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[torch.nn.Parameter],
+             precision: str, S: float, dev: str, compare_strategies: bool,
+             strategy_names: Sequence[str] | None) -> _Measured:
+    """The fp32 pass, then the mixed pass (module docstring), with the model left as it was."""
+    names, index = _layer_index(model, params)
+    passes = {"forward": 0, "backward": 0}
+    prior_norm = _norm([p.grad for p in params])
+    bad_inputs = _bad_inputs(model, batch)
+    grads_finite, at_one_finite = False, True
+    back_first: tuple[str, str] | None = None
+    chosen: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    per_layer: list[LayerDamage] = []
     with _preserved(model):
         rng = torch.get_rng_state()
-        # Pass 2 first (fp32): the reference gradient and activation-gradient magnitudes.
+        # fp32: the reference gradient and the activation-gradient magnitudes.
         ref_rec = _Record(backward_on=True, wide=True)
         with _hooks(model, ref_rec, dev), torch.autocast(dev, enabled=False), torch.enable_grad():
-            ref_loss = loss_fn(model, batch)
+            ref_loss = loss_fn(model, batch).float()
             passes["forward"] += 1
             fp32_finite = bool(torch.isfinite(ref_loss).all())
-            ref = _backward(ref_loss.float(), params, 1.0) if fp32_finite else [torch.zeros_like(p) for p in params]
+            ref = _backward(ref_loss, params, 1.0) if fp32_finite else [torch.zeros_like(p) for p in params]
             passes["backward"] += int(fp32_finite)
-        ref_norm = math.sqrt(sum(float(r.double().square().sum()) for r in ref))
-        ref_first = ref_rec.forward_first
-        # Pass 1 (mixed): forward under autocast, backward at S, and at 1 when S overflows.
+        # mixed: forward under autocast, backward at S, and at 1 when S overflows (same graph).
         torch.set_rng_state(rng)
         rec = _Record()
         with _hooks(model, rec, dev), torch.enable_grad():
@@ -525,81 +569,82 @@ def diagnose(
             passes["forward"] += 1
             loss = loss.float()
             fwd_finite = bool(torch.isfinite(loss).all())
-            grads: list[torch.Tensor] = []
-            back_first: tuple[str, str] | None = None
-            at_one_finite = True
-            chosen: dict[str, float] = {}
-            skipped: dict[str, str] = {}
-            per_layer: list[LayerDamage] = []
             if fwd_finite:
                 rec.backward_on = True
                 grads = _backward(loss, params, S)
                 passes["backward"] += 1
                 rec.backward_on = False
-                grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
-                if not grads_finite:
-                    back_first = _first_backward(model, params, grads, rec)
+                grads_finite = _all_finite(grads)
                 if fp32_finite:
                     per_layer = _damage(grads, ref, S, names, index)
                 if not grads_finite:
-                    at_one = _backward(loss, params, 1.0)
+                    back_first = _first_backward(model, params, grads, rec)
+                    at_one_finite = _all_finite(_backward(loss, params, 1.0))
                     passes["backward"] += 1
-                    at_one_finite = all(bool(torch.isfinite(g).all()) for g in at_one)
                 if compare_strategies and fp32_finite:
                     def reference() -> torch.Tensor:
                         with torch.autocast(dev, enabled=False):
                             return loss_fn(model, batch).float()
                     chosen, skipped = _strategy_scales(strategy_names or strategies.available(), loss, params,
-                                                       model, reference)
+                                                       reference)
                     passes["backward"] += len(chosen)
                     for s in sorted(set(chosen.values()) - {S}):
                         per_layer += _damage(_backward(loss, params, s), ref, s, names, index)
                         passes["backward"] += 1
-            else:
-                grads_finite = False
+    return _Measured(precision, S, float(torch.finfo(DTYPES[precision]).max), bad_inputs, prior_norm, ref,
+                     _norm(ref), float(ref_loss.detach()), ref_rec, rec, fp32_finite, fwd_finite, grads_finite,
+                     at_one_finite, back_first, per_layer, chosen, skipped, passes)
 
-    diag = Diagnosis(cause="healthy", verdict="", fix="", precision=precision, scale=S,
-                     per_layer=per_layer, strategy_scales=chosen, not_compared=skipped, passes=passes)
+
+def _decide(m: _Measured, model: torch.nn.Module, params: list[torch.nn.Parameter],
+            lr_history: Sequence[float] | None, underflow_threshold: float) -> Diagnosis:
+    """The decision list of the module docstring, in order; the first check that holds is the cause."""
+    precision, S, fmax = m.precision, m.scale, m.fmax
+    diag = Diagnosis(cause="healthy", verdict="", fix="", precision=precision, scale=S, per_layer=m.per_layer,
+                     strategy_scales=m.chosen, not_compared=m.skipped, passes=m.passes)
+    evidence = diag.evidence
     spike = _lr_spike(lr_history)
-    overflow = not fwd_finite or not grads_finite
-    safe = fmax / max(ref_rec.grad_absmax.values(), default=0.0) if ref_rec.grad_absmax else float("inf")
+    overflow = not m.fwd_finite or not m.grads_finite
+    peak = max(m.ref_rec.grad_absmax.values(), default=0.0)
+    safe = fmax / peak if peak > 0 else float("inf")
 
     # 1. NaN/Inf in the data, the weights or the loss itself.
-    if bad_data or not fp32_finite:
+    if m.bad_inputs or not m.fp32_finite:
         diag.cause = "nan_in_data_or_loss"
-        evidence += bad_data
-        if ref_first is not None:
-            diag.first_module, diag.tensor, diag.value = ref_first
-        if not fp32_finite:
-            evidence.append(f"the fp32 loss is {float(ref_loss.detach()):g}: no precision or scale makes this step finite")
-        diag.verdict = "the batch or the loss is non-finite before any low-precision arithmetic"
+        evidence += m.bad_inputs
+        if m.ref_rec.forward_first is not None:
+            diag.first_module, diag.tensor, diag.value = m.ref_rec.forward_first
+        if not m.fp32_finite:
+            evidence.append(f"the fp32 loss is {m.ref_loss:g}: no precision or scale makes this step finite")
+        diag.verdict = "the batch, the weights or the loss is non-finite before any low-precision arithmetic"
         diag.fix = ("drop or repair the batch (check the data pipeline for NaN/Inf), guard the loss "
                     "(e.g. log(x + eps)); skip such batches instead of letting the scaler back off")
     # 2. Gradients accumulated over steps.
-    elif prior_norm > 0 and ref_norm > 0 and prior_norm >= ACCUMULATED_RATIO * ref_norm:
+    elif m.prior_norm > 0 and m.ref_norm > 0 and m.prior_norm >= ACCUMULATED_RATIO * m.ref_norm:
         diag.cause = "grads_not_cleared"
-        evidence.append(f"the parameters already held gradients of norm {prior_norm:.4g} before this step, "
-                        f"{prior_norm / ref_norm:.1f}x this step's fp32 gradient norm {ref_norm:.4g}")
+        evidence.append(f"the parameters already held gradients of norm {m.prior_norm:.4g} before this step, "
+                        f"{m.prior_norm / m.ref_norm:.1f}x this step's fp32 gradient norm {m.ref_norm:.4g}")
         diag.verdict = "gradients are accumulating across steps: .grad was never cleared"
         diag.fix = "call optimizer.zero_grad(set_to_none=True) after every optimizer step (or every accumulation window)"
     # 3. A learning-rate spike that made the step overflow.
     elif overflow and spike is not None:
+        assert lr_history is not None
         diag.cause = "lr_spike"
-        first = rec.forward_first if not fwd_finite else back_first
+        first = m.rec.forward_first if not m.fwd_finite else m.back_first
         if first is not None:
             diag.first_module, diag.tensor = first[0], first[1]
         evidence.append(f"learning rate {lr_history[-1]:g} is {spike:.1f}x the largest of the previous "
                         f"{len(lr_history) - 1} steps, and this step overflows in the "
-                        f"{'forward' if not fwd_finite else 'backward'} pass")
+                        f"{'forward' if not m.fwd_finite else 'backward'} pass")
         diag.verdict = "the step overflows right after a learning-rate spike"
         diag.fix = "lower the peak learning rate or lengthen the warmup; add gradient clipping"
     # 4. Forward overflow: scale-independent by construction.
-    elif not fwd_finite:
+    elif not m.fwd_finite:
         diag.cause = "forward_overflow"
-        if rec.forward_first is not None:
-            diag.first_module, diag.tensor, diag.value = rec.forward_first
+        if m.rec.forward_first is not None:
+            diag.first_module, diag.tensor, diag.value = m.rec.forward_first
         name = diag.first_module or "the first overflowing module"
-        evidence.append(f"the {precision} forward is non-finite, the fp32 forward is finite (loss {float(ref_loss.detach()):.4g})")
+        evidence.append(f"the {precision} forward is non-finite, the fp32 forward is finite (loss {m.ref_loss:.4g})")
         if diag.value is not None and math.isfinite(diag.value) and diag.value > fmax:
             evidence.append(f"{name} outputs {diag.value:.6g} in fp32, above the {precision} maximum {fmax:.6g}")
         elif diag.value is not None and math.isfinite(diag.value):
@@ -611,49 +656,46 @@ def diagnose(
                     "input, as HF keeps T5's `wo` via _keep_in_fp32_modules), or train in bf16")
         if _is_attention(name):
             diag.fix += "; attention logits grow: add QK-norm (LayerNorm on q and k, Wortsman et al. 2023) or lower the LR"
-    # 5. Gradient overflow at S = 1 too.
-    elif not grads_finite and not at_one_finite:
-        diag.cause = "gradient_overflow"
-        if back_first is not None:
-            diag.first_module, diag.tensor = back_first
-            diag.value = _backward_value(back_first, model, params, ref, ref_rec, 1.0)
-        evidence.append(f"the backward overflows at S={S:g} and at S=1: the gradient itself exceeds {precision}'s range")
+    # 5. Gradient overflow at S = 1 too; 6. overflow only at this scale (the scaler's own probing).
+    elif not m.grads_finite:
+        genuine = not m.at_one_finite
+        diag.cause = "gradient_overflow" if genuine else "scale_overflow"
+        if m.back_first is not None:
+            diag.first_module, diag.tensor = m.back_first
+            diag.value = _backward_value(m.back_first, model, params, m.ref, m.ref_rec, 1.0 if genuine else S)
         name = diag.first_module or "the overflowing module"
-        diag.verdict = f"gradient overflow at {name}, independent of the loss scale"
-        diag.fix = f"keep {name} in fp32 (autocast exclusion), or train in bf16; clip or lower the LR if it grew recently"
-    # 6. Overflow only at this scale: the scaler's own probing.
-    elif not grads_finite:
-        diag.cause = "scale_overflow"
-        if back_first is not None:
-            diag.first_module, diag.tensor = back_first
-            diag.value = _backward_value(back_first, model, params, ref, ref_rec, S)
-        evidence.append(f"the backward overflows at S={S:g} but not at S=1; the largest safe scale is about "
-                        f"{safe:.4g} ({precision} max / fp32 activation-gradient abs-max)")
-        diag.verdict = f"the scale {S:g} is too high for this step; the scaler backs off (normal probing)"
-        diag.fix = ("nothing, unless it repeats every step: then a scaler that targets the abs-max "
-                    "(strategy=max_ema or amax_history) instead of probing")
+        if genuine:
+            evidence.append(f"the backward overflows at S={S:g} and at S=1: the gradient itself exceeds {precision}'s range")
+            diag.verdict = f"gradient overflow at {name}, independent of the loss scale"
+            diag.fix = f"keep {name} in fp32 (autocast exclusion), or train in bf16; clip or lower the LR if it grew recently"
+        else:
+            evidence.append(f"the backward overflows at S={S:g} but not at S=1; the largest safe scale is about "
+                            f"{safe:.4g} ({precision} max / fp32 activation-gradient abs-max)")
+            diag.verdict = f"the scale {S:g} is too high for this step; the scaler backs off (normal probing)"
+            diag.fix = ("nothing, unless it repeats every step: then a scaler that targets the abs-max "
+                        "(strategy=max_ema or amax_history) instead of probing")
+    # 7. Underflow damage at the current scale; 8. healthy.
     else:
-        damaged = [d for d in per_layer if d.scale == S and (d.lost_frac >= underflow_threshold or d.cosine < 0.99)]
+        damaged = [d for d in m.per_layer if d.scale == S and (d.lost_frac >= underflow_threshold or d.cosine < 0.99)]
         if damaged:
             diag.cause = "underflow"
             worst = max(damaged, key=lambda d: d.lost_frac)
             diag.first_module, diag.tensor, diag.value = worst.layer, f"{worst.layer} parameter gradient", worst.lost_frac
             evidence.append(f"at S={S:g}, {worst.layer} loses {_pct(worst.lost_frac)} of its nonzero gradient "
                             f"entries (cosine {_cos(worst)})")
-            best = _best_scale(per_layer, S)
-            who = sorted(k for k, v in chosen.items() if v == best)
+            best = _best_scale(m.per_layer, S)
             diag.verdict = f"{precision} gradients underflow at S={S:g}: {len(damaged)} layer(s) lose gradient"
             if best is not None and best != S:
-                lost = max(d.lost_frac for d in per_layer if d.scale == best)
+                who = sorted(k for k, v in m.chosen.items() if v == best)
+                lost = max(d.lost_frac for d in m.per_layer if d.scale == best)
                 evidence.append(f"at S={best:g} (chosen by {', '.join(who)}) the worst layer loses {_pct(lost)}")
-                diag.fix = f"a larger scale: strategy={who[0]} (S={best:g}), or bf16"
+                diag.fix = f"the scale {best:g}: strategy={who[0]}, or bf16"
             else:
                 diag.fix = (f"raise the scale toward the safe {safe:.4g} (strategy=underflow_target or max_ema), "
                             "or train in bf16")
         else:
             diag.verdict = f"no overflow, no underflow damage above {_pct(underflow_threshold)} at S={S:g}"
             diag.fix = "nothing to fix for this step"
-    diag.evidence = evidence
     return diag
 
 
