@@ -324,12 +324,27 @@ def _hooks(model: torch.nn.Module, rec: _Record, device_type: str) -> Iterator[N
             h.remove()
 
 
+def _cuda(dev: torch.device) -> list[torch.device]:
+    return [dev] if dev.type == "cuda" else []
+
+
+def _rng_state(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The RNG state the next forward draws dropout masks from (CPU, and ``dev`` when CUDA)."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], dev: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], dev)
+
+
 @contextlib.contextmanager
-def _preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Leave ``.grad``, buffers and the RNG state exactly as they were."""
+def _preserved(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
+    """Leave ``.grad``, buffers and the RNG state (CPU, and ``dev`` when CUDA) exactly as they were."""
     grads = {p: p.grad for p in model.parameters()}
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=_cuda(dev)):
         try:
             yield
         finally:
@@ -354,18 +369,20 @@ def _damage(grads: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], scale: f
     """Per layer: lost fraction and cosine of ``grads / scale`` against ``ref``; overflow via the
     shared statistics pass (``strategies.stats``)."""
     work = [g.detach().float().clone() for g in grads]
-    stats = unscale_and_stats_reference(work, torch.tensor(1.0 / scale), index, len(names))
-    sums = torch.zeros(len(names), 5, dtype=torch.float64)
+    device = work[0].device
+    stats = unscale_and_stats_reference(work, torch.tensor(1.0 / scale, device=device), index, len(names))
+    sums = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
     for k, g, r in zip(index, work, ref):
         g, r = g.double(), r.double()
         nz = r != 0
         sums[k] += torch.stack([(g * r).sum(), g.square().sum(), r.square().sum(), nz.sum().double(),
                                 (nz & (g == 0)).sum().double()])
     out = []
+    rows, found = sums.tolist(), stats.found_inf.tolist()
     for i, name in enumerate(names):
-        dot, gg, rr, nz, lost = sums[i].tolist()
+        dot, gg, rr, nz, lost = rows[i]
         cos = dot / math.sqrt(gg * rr) if gg > 0 and rr > 0 else float("nan")
-        out.append(LayerDamage(name, scale, lost / nz if nz else 0.0, cos, bool(stats.found_inf[i] > 0)))
+        out.append(LayerDamage(name, scale, lost / nz if nz else 0.0, cos, found[i] > 0))
     return out
 
 
@@ -550,8 +567,9 @@ def _measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[t
     chosen: dict[str, float] = {}
     skipped: dict[str, str] = {}
     per_layer: list[LayerDamage] = []
-    with _preserved(model):
-        rng = torch.get_rng_state()
+    device = params[0].device
+    with _preserved(model, device):
+        rng = _rng_state(device)
         # fp32: the reference gradient and the activation-gradient magnitudes.
         ref_rec = _Record(backward_on=True, wide=True)
         with _hooks(model, ref_rec, dev), torch.autocast(dev, enabled=False), torch.enable_grad():
@@ -561,7 +579,7 @@ def _measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[t
             ref = _backward(ref_loss, params, 1.0) if fp32_finite else [torch.zeros_like(p) for p in params]
             passes["backward"] += int(fp32_finite)
         # mixed: forward under autocast, backward at S, and at 1 when S overflows (same graph).
-        torch.set_rng_state(rng)
+        _set_rng_state(rng, device)
         rec = _Record()
         with _hooks(model, rec, dev), torch.enable_grad():
             with torch.autocast(dev, dtype=DTYPES[precision]):
