@@ -105,12 +105,13 @@ def load_run(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     }
 
 
-def diagnose_dir(run_dir: Path, step: int | None = None, compare_strategies: bool = True) -> tuple[Diagnosis, dict]:
+def diagnose_dir(run_dir: Path, step: int | None = None, compare_strategies: bool = True,
+                 forward_strategies: bool = False) -> tuple[Diagnosis, dict]:
     """Load ``run_dir`` (:func:`load_run`) and diagnose its step; returns the diagnosis and the run."""
     run = load_run(run_dir, step)
     diagnosis = diagnose(run["model"], run["loss_fn"], run["batch"], precision=run["precision"],
                          scaler=run["scaler"], scale=run["scale"], lr_history=run["lr_history"],
-                         compare_strategies=compare_strategies)
+                         compare_strategies=compare_strategies, forward_strategies=forward_strategies)
     return diagnosis, run
 
 
@@ -122,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="diagnose this step's batch (default: the checkpoint's step)")
     parser.add_argument("--no-strategies", action="store_true",
                         help="skip the per-strategy scales (saves one backward pass per strategy)")
+    parser.add_argument("--all-strategies", action="store_true",
+                        help="also compare the strategies that hook the forward pass (one forward+backward more each)")
     args = parser.parse_args(argv)
     try:
-        diagnosis, run = diagnose_dir(args.run_dir, args.step, not args.no_strategies)
+        diagnosis, run = diagnose_dir(args.run_dir, args.step, not args.no_strategies, args.all_strategies)
     except DoctorError as exc:
         print(f"scalelab-doctor: error: {exc}", file=sys.stderr)
         return 2

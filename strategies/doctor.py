@@ -17,7 +17,10 @@ Passes (the model's weights, ``.grad``, buffers and RNG state are left as they w
 So two forward+backward passes by default; ``compare_strategies=True`` (the default) adds
 backward passes only (through the retained mixed graph): one per registered strategy to see the
 scale it would choose from this gradient, one per distinct such scale to measure its damage.
-Strategies that must hook the forward (``attach``: ``layerwise``) are listed as not compared.
+Strategies that hook the forward pass (``layerwise``, ``underflow_target``) need a forward of
+their own: with ``forward_strategies=True`` they get one each, else they are listed as not
+compared. The damage at a scale is measured with one loss scale for the whole model (for
+``layerwise``, its loss-side scale: the per-layer rescaling is not replayed).
 
 **First module out of range.** Forward: the first module, in completion order, whose inputs
 are finite and whose output is not (inner modules complete first, so this is the innermost
@@ -70,6 +73,7 @@ from torch.utils._pytree import tree_leaves
 
 import strategies
 from strategies.boundaries import layers
+from strategies.probe import ReferenceProbe
 from strategies.state import ScaleFloorError
 from strategies.stats import unscale_and_stats_reference
 
@@ -407,34 +411,60 @@ def _first_backward(model: torch.nn.Module, params: list[torch.nn.Parameter], gr
     return module, tensor
 
 
+class _NoStep(torch.optim.Optimizer):
+    """An optimizer whose ``step`` changes nothing: strategies drive it as they would any other."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
+def _hooks_forward(strat: Any) -> bool:
+    """Does ``strat.attach`` hook the forward pass (layer boundaries: ``layerwise``,
+    ``underflow_target``)? The reference-probe rules' ``attach`` only remembers parameters."""
+    return type(strat).attach is not strategies.Strategy.attach and not isinstance(strat, ReferenceProbe)
+
+
 def _strategy_scales(names: Sequence[str], loss: torch.Tensor, params: list[torch.nn.Parameter],
-                     reference: Callable[[], torch.Tensor]
-                     ) -> tuple[dict[str, float], dict[str, str]]:
+                     model: torch.nn.Module, reference: Callable[[], torch.Tensor],
+                     fresh: Callable[[], torch.Tensor] | None) -> tuple[dict[str, float], dict[str, str], int]:
     """The scale each strategy chooses after one step on this gradient (its own scale, unscale_,
-    step and update; an SGD with lr=0 as the optimizer, so nothing moves)."""
+    step and update; the optimizer's step does nothing, so no parameter moves, nor does its
+    version counter: the retained graph stays usable). A strategy that hooks the forward pass
+    needs a forward of its own, with it attached: ``fresh()`` (``None``: such strategies are not
+    compared). Returns the scales, the strategies not compared (why), and the fresh forwards run."""
     chosen: dict[str, float] = {}
     skipped: dict[str, str] = {}
+    forwards = 0
     for name in names:
         strat = strategies.create(name)
-        if type(strat).attach is not strategies.Strategy.attach:
-            skipped[name] = "hooks the forward pass (attach): not comparable on a recorded graph"
+        hooks = _hooks_forward(strat)
+        if hooks and fresh is None:
+            skipped[name] = "hooks the forward pass: compared with forward_strategies=True (one more forward each)"
             continue
         strat.set_reference(reference, params)
-        opt = torch.optim.SGD(params, lr=0.0)
+        strat.attach(model)
         saved = [p.grad for p in params]
         try:
-            grads = torch.autograd.grad(strat.scale(loss), params, retain_graph=True, allow_unused=True)
+            own = loss
+            if hooks:
+                own = fresh()
+                forwards += 1
+            grads = torch.autograd.grad(strat.scale(own), params, retain_graph=True, allow_unused=True)
             for p, g in zip(params, grads):
                 p.grad = None if g is None else g.to(p.dtype)
-            strat.step(opt)
+            strat.step(_NoStep(params))
             strat.update()
             chosen[name] = float(strat.get_scale())
         except (RuntimeError, ValueError) as exc:
             skipped[name] = " ".join(str(exc).split())[:160]
         finally:
+            strat.detach()
             for p, g in zip(params, saved):
                 p.grad = g
-    return chosen, skipped
+    return chosen, skipped, forwards
 
 
 def _backward_value(first: tuple[str, str], model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -456,6 +486,13 @@ def _current_scale(scaler: Any) -> float:
         return float(scaler.get_scale())
     except ScaleFloorError:
         return float(scaler.output_scale())
+
+
+def _safe_scale(fmax: float, ref_rec: _Record, ref: list[torch.Tensor]) -> float:
+    """The largest scale at which no fp32 activation or parameter gradient would leave the range:
+    ``fmax / max(|g|)`` (``inf`` for an all-zero gradient)."""
+    peak = max([*ref_rec.grad_absmax.values(), *(float(r.abs().max()) for r in ref if r.numel())], default=0.0)
+    return fmax / peak if peak > 0 else float("inf")
 
 
 def _lr_spike(lr_history: Sequence[float] | None) -> float | None:
@@ -483,6 +520,7 @@ def diagnose(
     lr_history: Sequence[float] | None = None,
     compare_strategies: bool = True,
     strategy_names: Sequence[str] | None = None,
+    forward_strategies: bool = False,
     underflow_threshold: float = 0.01,
     device_type: str | None = None,
 ) -> Diagnosis:
@@ -496,6 +534,8 @@ def diagnose(
         lr_history: learning rates of the recent steps, the current one last (for ``lr_spike``).
         compare_strategies: also measure the scale each registered strategy would choose.
         strategy_names: which strategies to compare (default: every registered one).
+        forward_strategies: also compare the strategies that hook the forward pass (``layerwise``,
+            ``underflow_target``): one more forward+backward each.
         underflow_threshold: lost fraction of a layer's nonzero entries that counts as damage.
     """
     if precision not in DTYPES:
@@ -509,7 +549,7 @@ def diagnose(
     if not params:
         raise ValueError("model has no parameter that requires grad")
     m = _measure(model, loss_fn, batch, params, precision, S, device_type or params[0].device.type,
-                 compare_strategies, strategy_names)
+                 compare_strategies, strategy_names, forward_strategies)
     return _decide(m, model, params, lr_history, underflow_threshold)
 
 
@@ -556,7 +596,7 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def _measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[torch.nn.Parameter],
              precision: str, S: float, dev: str, compare_strategies: bool,
-             strategy_names: Sequence[str] | None) -> _Measured:
+             strategy_names: Sequence[str] | None, forward_strategies: bool) -> _Measured:
     """The fp32 pass, then the mixed pass (module docstring), with the model left as it was."""
     names, index = _layer_index(model, params)
     passes = {"forward": 0, "backward": 0}
@@ -603,10 +643,21 @@ def _measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[t
                     def reference() -> torch.Tensor:
                         with torch.autocast(dev, enabled=False):
                             return loss_fn(model, batch).float()
-                    chosen, skipped = _strategy_scales(strategy_names or strategies.available(), loss, params,
-                                                       reference)
+
+                    def fresh() -> torch.Tensor:
+                        _set_rng_state(rng, device)
+                        with torch.autocast(dev, dtype=DTYPES[precision]):
+                            return loss_fn(model, batch).float()
+                    chosen, skipped, forwards = _strategy_scales(
+                        strategy_names or strategies.available(), loss, params, model, reference,
+                        fresh if forward_strategies else None)
+                    passes["forward"] += forwards
                     passes["backward"] += len(chosen)
-                    for s in sorted(set(chosen.values()) - {S}):
+                    bound = _safe_scale(float(torch.finfo(DTYPES[precision]).max), ref_rec, ref)
+                    candidates = set(chosen.values())
+                    if math.isfinite(bound) and bound >= 2.0:
+                        candidates.add(2.0 ** math.floor(math.log2(bound / 2)))  # the largest pow2 with 2x headroom
+                    for s in sorted(candidates - {S}):
                         per_layer += _damage(_backward(loss, params, s), ref, s, names, index)
                         passes["backward"] += 1
     return _Measured(precision, S, float(torch.finfo(DTYPES[precision]).max), bad_inputs, prior_norm, ref,
@@ -623,8 +674,7 @@ def _decide(m: _Measured, model: torch.nn.Module, params: list[torch.nn.Paramete
     evidence = diag.evidence
     spike = _lr_spike(lr_history)
     overflow = not m.fwd_finite or not m.grads_finite
-    peak = max(m.ref_rec.grad_absmax.values(), default=0.0)
-    safe = fmax / peak if peak > 0 else float("inf")
+    safe = _safe_scale(fmax, m.ref_rec, m.ref)
 
     # 1. NaN/Inf in the data, the weights or the loss itself.
     if m.bad_inputs or not m.fp32_finite:
@@ -688,7 +738,7 @@ def _decide(m: _Measured, model: torch.nn.Module, params: list[torch.nn.Paramete
             diag.fix = f"keep {name} in fp32 (autocast exclusion), or train in bf16; clip or lower the LR if it grew recently"
         else:
             evidence.append(f"the backward overflows at S={S:g} but not at S=1; the largest safe scale is about "
-                            f"{safe:.4g} ({precision} max / fp32 activation-gradient abs-max)")
+                            f"{safe:.4g} ({precision} max / fp32 gradient abs-max)")
             diag.verdict = f"the scale {S:g} is too high for this step; the scaler backs off (normal probing)"
             diag.fix = ("nothing, unless it repeats every step: then a scaler that targets the abs-max "
                         "(strategy=max_ema or amax_history) instead of probing")
@@ -706,8 +756,11 @@ def _decide(m: _Measured, model: torch.nn.Module, params: list[torch.nn.Paramete
             if best is not None and best != S:
                 who = sorted(k for k, v in m.chosen.items() if v == best)
                 lost = max(d.lost_frac for d in m.per_layer if d.scale == best)
-                evidence.append(f"at S={best:g} (chosen by {', '.join(who)}) the worst layer loses {_pct(lost)}")
-                diag.fix = f"the scale {best:g}: strategy={who[0]}, or bf16"
+                by = f"chosen by {', '.join(who)}" if who else f"2x below the overflow bound {safe:.4g}"
+                evidence.append(f"at S={best:.4g} ({by}) the worst layer loses {_pct(lost)}")
+                diag.fix = (f"the scale {best:.4g}: strategy={who[0]}, or bf16" if who else
+                            f"a scale near {best:.4g} (strategy=underflow_target or amax_history, which place S "
+                            "from the gradient's range), or bf16")
             else:
                 diag.fix = (f"raise the scale toward the safe {safe:.4g} (strategy=underflow_target or max_ema), "
                             "or train in bf16")
