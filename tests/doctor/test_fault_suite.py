@@ -1,4 +1,4 @@
-"""The labelled fault suite (``experiments/doctor_eval.py``): every case gets the right cause and,
+"""The labelled fault suite (``experiments/doctor_cases.py``, scored by ``experiments/doctor_eval.py``): every case gets the right cause and,
 where construction defines one, the right first module; the HF-style forward-hook baseline and the
 minimum-scale line are computed for real."""
 
@@ -7,22 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments import doctor_eval
+from experiments import doctor_cases, doctor_eval
 from strategies.doctor import CAUSES
 
-CASES = doctor_eval.cases()
+CASES = doctor_cases.cases()
 
 
 def test_every_cause_has_cases_over_several_seeds_and_sizes() -> None:
     for cause in CAUSES:
         names = [c.name for c in CASES if c.cause == cause]
         assert len(names) >= 6, cause
-        assert len({n.split("/s")[-1] for n in names}) == len(doctor_eval.SEEDS), cause
+        assert len({n.split("/s")[-1] for n in names}) == len(doctor_cases.SEEDS), cause
         assert len({n.rsplit("/", 1)[0] for n in names}) >= 2, cause  # two sizes (or kinds) at least
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_the_doctor_names_the_planted_cause_and_module(case: doctor_eval.Case) -> None:
+def test_the_doctor_names_the_planted_cause_and_module(case: doctor_cases.Case) -> None:
     result = doctor_eval.run_case(case)
     assert result.diagnosis.cause == case.cause
     if case.module is not None:
@@ -46,7 +46,7 @@ def test_min_scale_line_stays_silent_where_backing_off_helps() -> None:
 
 
 def test_table_counts_what_it_measured() -> None:
-    results = [doctor_eval.run_case(c) for c in doctor_eval.cases(seeds=(0,))]
+    results = [doctor_eval.run_case(c) for c in doctor_cases.cases(seeds=(0,))]
     table = doctor_eval.table(results)
     cause_acc, module_acc = doctor_eval.accuracy(results)
     n = len(results)
@@ -58,7 +58,7 @@ def test_table_counts_what_it_measured() -> None:
 
 
 def test_docs_are_generated_from_the_results(tmp_path) -> None:
-    results = [doctor_eval.run_case(c) for c in doctor_eval.cases(seeds=(0,))]
+    results = [doctor_eval.run_case(c) for c in doctor_cases.cases(seeds=(0,))]
     path = tmp_path / "doctor.md"
     doctor_eval.write_docs(path, doctor_eval.table(results), results)
     text = path.read_text()
