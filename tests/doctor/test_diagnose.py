@@ -159,6 +159,8 @@ def test_json_and_text_carry_the_verdict() -> None:
     data = json.loads(d.to_json())
     assert data["cause"] == "forward_overflow" and data["exit_code"] == 3 and data["first_module"] == "layers.1.0"
     assert d.text().startswith("verdict: FORWARD_OVERFLOW")
+    assert d.one_line().startswith("doctor: forward_overflow at layers.1.0: forward overflow in fp16")
+    assert "\n" not in d.one_line()
     assert set(EXIT_CODES) == set(CAUSES) and 2 not in EXIT_CODES.values()
 
 
