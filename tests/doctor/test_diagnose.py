@@ -211,3 +211,17 @@ def test_a_forward_hooking_strategy_gets_its_own_forward_and_chooses_what_it_wou
     ref.step(torch.optim.SGD(model.parameters(), lr=0.0))
     ref.update()
     assert d.strategy_scales["underflow_target"] == ref.get_scale() > 2.0**16
+
+
+def test_the_first_backward_overflow_is_first_in_backward_order() -> None:
+    # A large middle layer: the head's weight gradient (computed first in backward) and later
+    # activation gradients both overflow at 2^16; the head comes first.
+    model, batch = mlp()
+    with torch.no_grad():
+        model.layers[1][0].weight.mul_(3000.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = ce(model, batch)
+    head_grad, = torch.autograd.grad(loss * 2.0**16, [model.head.weight])
+    assert not torch.isfinite(head_grad).all()  # the reference: the head's own fp16 weight gradient
+    d = diagnose(model, ce, batch, compare_strategies=False)
+    assert d.cause == "scale_overflow" and (d.first_module, d.tensor) == ("head", "head parameter gradient")
