@@ -14,7 +14,7 @@ TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full report bench clean
+.PHONY: help setup test test-all compare compare-full report bench doctor-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/c
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON)
 	$(BIN)/scalelab-bench
+
+doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
+	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor_eval
 
 clean: ## Remove runs, reports and caches (keeps .venv)
 	rm -rf runs reports outputs multirun .pytest_cache .hypothesis

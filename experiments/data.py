@@ -10,6 +10,12 @@
 * ``TemplateImages`` — ``C x S x S`` images: one smooth random template per class, shifted by up
   to ``max_shift`` pixels, times a random gain, plus Gaussian noise; generated from ``data_seed``.
 
+``nan_prob`` (vectors and images; 0 = off): each training batch, with this probability (drawn
+from the step's generator after the batch), has its first input entry set to NaN — the "NaN
+batch" failure of a broken data pipeline, which every loss scaler misreads as an overflow and
+answers by backing off (the DeepSpeed/fairseq "Minimum loss scale reached" reports with a
+corrupt sample behind them). Set it on the command line: ``+data.nan_prob=0.05``.
+
 The dataset itself never depends on the run's ``seed`` (every seed trains on the same data).
 Batches are drawn by :func:`step_generator`: the generator for step ``t`` is seeded from
 ``(seed, t)`` alone, so the data position of a resumed run is just its step and no iterator
@@ -115,11 +121,16 @@ class _Classification:
     x_val: torch.Tensor
     y_val: torch.Tensor
     eval_batch_size: int
+    nan_prob: float = 0.0
 
     def batch(self, batch_size: int, generator: torch.Generator) -> Batch:
-        """``batch_size`` training examples drawn uniformly with replacement."""
+        """``batch_size`` training examples drawn uniformly with replacement (NaN-poisoned with
+        probability ``nan_prob``, see the module docstring)."""
         ix = torch.randint(len(self.x_train), (batch_size,), generator=generator)
-        return self.x_train[ix], self.y_train[ix]
+        x = self.x_train[ix]
+        if self.nan_prob > 0 and float(torch.rand((), generator=generator)) < self.nan_prob:
+            x.view(-1)[0] = float("nan")  # x is a fresh copy (advanced indexing)
+        return x, self.y_train[ix]
 
     def eval_batches(self, max_batches: int) -> Iterator[Batch]:
         """The validation set in order, in at most ``max_batches`` batches."""
@@ -144,6 +155,7 @@ class TeacherVectors(_Classification):
         teacher_width: int = 64,
         data_seed: int = 0,
         eval_batch_size: int = 512,
+        nan_prob: float = 0.0,
     ) -> None:
         _check("in_features", in_features, 1)
         _check("num_classes", num_classes, 2)
@@ -151,6 +163,8 @@ class TeacherVectors(_Classification):
         _check("n_val", n_val, 1)
         _check("teacher_width", teacher_width, 1)
         _check("eval_batch_size", eval_batch_size, 1)
+        _check("nan_prob", nan_prob, 0.0, 1.0)
+        self.nan_prob = float(nan_prob)
         gen = torch.Generator().manual_seed(data_seed)
         w1 = torch.randn(in_features, teacher_width, generator=gen) / in_features**0.5
         w2 = torch.randn(teacher_width, num_classes, generator=gen) / teacher_width**0.5
@@ -179,6 +193,7 @@ class TemplateImages(_Classification):
         max_shift: int = 2,
         data_seed: int = 0,
         eval_batch_size: int = 256,
+        nan_prob: float = 0.0,
     ) -> None:
         _check("in_channels", in_channels, 1)
         _check("image_size", image_size, 4)
@@ -188,6 +203,8 @@ class TemplateImages(_Classification):
         _check("noise", noise, 0.0)
         _check("max_shift", max_shift, 0, image_size // 2)
         _check("eval_batch_size", eval_batch_size, 1)
+        _check("nan_prob", nan_prob, 0.0, 1.0)
+        self.nan_prob = float(nan_prob)
         gen = torch.Generator().manual_seed(data_seed)
         n = n_train + n_val
         # Smooth templates: white noise blurred by a 5x5 Gaussian (sigma 1.5), unit RMS.

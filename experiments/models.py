@@ -10,6 +10,20 @@ Stress knobs shared by all three: depth and width, and ``init_scale``, a factor 
 standard initialisation of every weight matrix (``init_scale < 1`` shrinks activations and hence
 gradients, ``> 1`` grows them). The GPT follows karpathy/nanoGPT (pre-LayerNorm blocks, weight
 std 0.02, residual projections scaled by ``1/sqrt(2 n_layer)``).
+
+Failure workloads (the ``scalelab-doctor`` suite and ``conf/model/gpt_*.yaml``), each off by
+default so the standard models are unchanged:
+
+* ``GPT(ffn_gain=g)`` multiplies both FFN weight matrices (``fc``, ``fc_out``) by ``g`` at init,
+  so the FFN output grows like ``g**2``: with ``g`` large enough it exceeds the fp16 maximum
+  65504 in the forward pass, as T5's ``wo`` output does (HF transformers issue #9295, "T5 fp16
+  NaN"; their fix keeps ``wo`` in fp32, ``_keep_in_fp32_modules``).
+* ``GPT(attention="explicit")`` computes the attention logits ``q k^T / sqrt(d)`` in a module of
+  their own (``blocks.i.scores``) instead of the fused ``scaled_dot_product_attention``, so that
+  under fp16 autocast they are an fp16 matmul that overflows when the logits grow — the
+  attention-logit growth at high learning rate of Wortsman et al. 2023 ("Small-scale proxies
+  for large-scale Transformer training instabilities", Sec. 3.1). ``qk_norm=True`` is their fix:
+  LayerNorm on the queries and keys (per head) before the dot product.
 """
 
 from __future__ import annotations
@@ -51,14 +65,40 @@ class Embed(nn.Module):
         return self.tok(idx) + self.pos(pos)
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (causal attention)."""
+class Scores(nn.Module):
+    """Causal attention logits ``q k^T / sqrt(d)`` (masked positions ``-inf``), as a module so
+    hooks see them: ``[B, H, T, d] x [B, H, T, d] -> [B, H, T, T]``."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        T = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return att.masked_fill(~mask, float("-inf"))
+
+
+ATTENTIONS = ("sdpa", "explicit")
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (causal attention).
+
+    ``qk_norm``: LayerNorm over each head's queries and keys (Wortsman et al. 2023);
+    ``attention="explicit"``: logits from :class:`Scores`, softmax in fp32, then ``att @ v``.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool = False,
+                 attention: str = "sdpa") -> None:
         super().__init__()
         self.n_head = n_head
         self.ln1 = nn.LayerNorm(n_embd)
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        if qk_norm:
+            self.q_norm = nn.LayerNorm(n_embd // n_head)
+            self.k_norm = nn.LayerNorm(n_embd // n_head)
+        self.qk_norm = qk_norm
+        if attention == "explicit":
+            self.scores = Scores()
+        self.attention = attention
         self.proj = nn.Linear(n_embd, n_embd)
         self.ln2 = nn.LayerNorm(n_embd)
         self.fc = nn.Linear(n_embd, 4 * n_embd)
@@ -69,8 +109,14 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if self.attention == "explicit":
+            att = F.dropout(self.scores(q, k).float().softmax(dim=-1), p, self.training)
+            y = att.to(v.dtype) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         x = x + F.dropout(self.proj(y), p, self.training)
         x = x + F.dropout(self.fc_out(F.gelu(self.fc(self.ln2(x)))), p, self.training)
@@ -96,6 +142,9 @@ class GPT(nn.Module):
         n_embd: int = 128,
         dropout: float = 0.0,
         init_scale: float = 1.0,
+        qk_norm: bool = False,
+        attention: str = "sdpa",
+        ffn_gain: float = 1.0,
     ) -> None:
         super().__init__()
         _check("vocab_size", vocab_size, 2)
@@ -105,11 +154,16 @@ class GPT(nn.Module):
         _check("n_embd", n_embd, 1)
         _check("dropout", dropout, 0.0, 1.0)
         _check("init_scale", init_scale, 1e-12)
+        _check("ffn_gain", ffn_gain, 1e-12)
         if n_embd % n_head:
             raise ValueError(f"model.n_embd must be divisible by model.n_head={n_head}, got {n_embd}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"model.attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        if not isinstance(qk_norm, bool):
+            raise ValueError(f"model.qk_norm must be true or false, got {qk_norm!r}")
         self.block_size = block_size
         self.embed = Embed(vocab_size, block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, qk_norm, attention) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init)
@@ -117,6 +171,11 @@ class GPT(nn.Module):
             if name.endswith(("proj.weight", "fc_out.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
         _scale_init(self, init_scale)
+        if ffn_gain != 1.0:
+            with torch.no_grad():
+                for block in self.blocks:
+                    block.fc.weight.mul_(ffn_gain)
+                    block.fc_out.weight.mul_(ffn_gain)
         self.boundaries = ["embed", *[f"blocks.{i}" for i in range(n_layer)], "ln_f", "head"]
 
     @staticmethod

@@ -26,7 +26,7 @@ from experiments.train import GROUPS, group_options
 from tests.experiments.runs import QUIET, TINY, compose_cfg
 
 # Which tiny model goes with each data option, and which data with each model option.
-DATA_FOR_MODEL = {"gpt": "gpt", "mlp": "mlp", "cnn": "cnn"}
+DATA_FOR_MODEL = {"gpt": "gpt", "mlp": "mlp", "cnn": "cnn", "gpt_ffn_overflow": "gpt", "gpt_logit_growth": "gpt"}
 MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn"}
 _RUN = RunInfo(run_dir=Path("/nonexistent"), run_id="test", config={}, group="g", job_type="j", name="n")
 

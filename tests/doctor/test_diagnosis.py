@@ -1,0 +1,85 @@
+"""``experiments.diagnosis.diagnose_run``: the loop's one call when a run fails."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import strategies
+from experiments.diagnosis import DIAGNOSIS_NAME, diagnose_run, should_diagnose
+from experiments.models import MLP
+from strategies.state import ScaleFloorError
+
+
+def loop_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def setup(nan: bool = False) -> tuple[MLP, dict]:
+    torch.manual_seed(0)
+    model = MLP(in_features=16, num_classes=10, width=32, depth=2)
+    x = torch.randn(32, 16)
+    if nan:
+        x[0, 0] = float("nan")
+    return model, {"x": x, "y": torch.randint(10, (32,)), "m": 1.0}
+
+
+def test_a_diverged_run_gets_diagnosis_json(tmp_path: Path) -> None:
+    model, batch = setup(nan=True)
+    d = diagnose_run(tmp_path, model, loop_loss, batch, "fp16", strategies.create("native"), lambda s: 1e-3, 7, "diverged")
+    assert d is not None and d.cause == "nan_in_data_or_loss"
+    data = json.loads((tmp_path / DIAGNOSIS_NAME).read_text())
+    assert data["status"] == "diverged" and data["step"] == 7 and data["cause"] == "nan_in_data_or_loss"
+    assert data["exit_code"] == 4
+
+
+def test_the_loss_multiplier_is_what_the_doctor_differentiates(tmp_path: Path) -> None:
+    model, batch = setup()
+    batch["m"] = 100.0  # the regime's multiplier: overflows the backward at 2^16
+    d = diagnose_run(tmp_path, model, loop_loss, batch, "fp16", strategies.create("native"), lambda s: 1e-3, 3, "stalled")
+    assert d is not None and d.cause == "scale_overflow" and d.scale == 2.0**16
+
+
+def test_completed_runs_and_empty_batches_are_left_alone(tmp_path: Path) -> None:
+    model, batch = setup(nan=True)
+    scaler = strategies.create("native")
+    assert diagnose_run(tmp_path, model, loop_loss, batch, "fp16", scaler, lambda s: 1e-3, 5, "completed") is None
+    assert diagnose_run(tmp_path, model, loop_loss, {}, "fp16", scaler, lambda s: 1e-3, 0, "diverged") is None
+    assert not (tmp_path / DIAGNOSIS_NAME).exists()
+
+
+def test_the_scale_floor_error_triggers_it() -> None:
+    assert should_diagnose("failed", ScaleFloorError("x")) and should_diagnose("failed", "ScaleFloorError: at step 3")
+    assert not should_diagnose("failed", "RuntimeError: boom") and not should_diagnose("failed", ValueError("x"))
+
+
+@pytest.mark.parametrize("precision,loss,message", [
+    ("fp8_e4m3", loop_loss, "the doctor diagnoses fp16, bf16 runs, not fp8_e4m3"),
+    ("fp16", lambda logits, y: (_ for _ in ()).throw(RuntimeError("boom")), "RuntimeError: boom"),
+])
+def test_a_doctor_that_cannot_run_writes_why_and_never_raises(tmp_path: Path, precision: str, loss, message: str) -> None:
+    model, batch = setup()
+    assert diagnose_run(tmp_path, model, loss, batch, precision, strategies.create("native"), lambda s: 1e-3, 2, "stalled") is None
+    assert json.loads((tmp_path / DIAGNOSIS_NAME).read_text())["error"] == message
+
+
+def test_a_strategy_stopped_at_its_floor_is_diagnosed_at_that_floor(tmp_path: Path) -> None:
+    model, batch = setup()
+    batch["m"] = 1e8  # overflows fp16 even at S = 1
+    scaler = strategies.create("native", init_scale=1.0, min_scale=1.0, on_min_scale="raise")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loop_loss(model(batch["x"]), batch["y"]) * batch["m"]
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()  # the overflow at the floor: recorded, raised at the next host read
+    with pytest.raises(ScaleFloorError):
+        scaler.get_scale()
+    model.zero_grad(set_to_none=True)
+    d = diagnose_run(tmp_path, model, loop_loss, batch, "fp16", scaler, lambda s: 1e-3, 1,
+                     "failed", "ScaleFloorError: native: step 1: ...")
+    assert d is not None and d.scale == 1.0 and d.cause == "gradient_overflow" and d.first_module == "head"
