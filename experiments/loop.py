@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
-from experiments import distributed as dist, fidelity, preemption, recipe, records, schema, stops, telemetry
+from experiments import diagnosis, distributed as dist, fidelity, preemption, recipe, records, schema, stops, telemetry
 from experiments.build import (
     AppError,
     ConfigError,
@@ -347,7 +347,7 @@ def _train(
                 emit(row)
                 bar.set_postfix(loss=f"{loss_val:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
                 if (stop := stops.logged_loss(loss_val, step, counters["skipped_steps"], tcfg.divergence_loss,
-                                              names["precision"])) is not None:
+                                              names["precision"], batch)) is not None:
                     status, error = stop
                     break
             hooks.measure = False
@@ -361,7 +361,7 @@ def _train(
                     break
             if max_skips and counters["consecutive_skips"] >= max_skips:
                 status, error = stops.skipped_in_a_row(float(loss.detach()), step, max_skips,  # one read, at the stop
-                                                       float(strategy.get_scale()), names["precision"])
+                                                       float(strategy.get_scale()), names["precision"], batch)
                 break
             if ckpt_every and step % ckpt_every == 0 and step < steps:
                 save_checkpoint(step, "running")
@@ -392,7 +392,8 @@ def _train(
         if callable(getattr(strategy, "detach", None)):
             strategy.detach()
         summary = make_summary(status, error)
-        if main:
+        if main:  # a stalled, diverged or scale-floor run: why, in diagnosis.json (never raises)
+            diagnosis.diagnose_run(out_dir, raw_model, _loss_fn, batch, precision, strategy, lr_for, step, status, error)
             records.write_summary(summary_path, summary)
             for logger in loggers:
                 logger.finish(summary, exit_code=exit_code)

@@ -11,7 +11,8 @@ Each function returns ``(status, error)`` when the run must stop, else ``None`` 
   in fp32 from the forward's logits before any scaling, so the scale S neither causes nor cures
   it (every gradient of a non-finite loss is non-finite, at any S). A non-finite logged loss when
   no step was ever applied (every step skipped: the weights are the initial ones) is the same
-  forward overflow, not a divergence.
+  forward overflow, not a divergence. When that step's inputs themselves hold NaN/Inf, the
+  error says **non-finite inputs** instead: the data, not the forward's range, is at fault.
 * **requeued**: the job was stopped by its preemption signal and requeued (``experiments/
   preemption.py``); it resumes from its last checkpoint.
 """
@@ -19,6 +20,9 @@ Each function returns ``(status, error)`` when the run must stop, else ``None`` 
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
+
+import torch
 
 from experiments.build import one_line
 
@@ -27,17 +31,28 @@ __all__ = ["eval_loss", "exception", "forward_overflow", "logged_loss", "skipped
 Stop = tuple[str, str]
 
 
-def forward_overflow(loss: float, step: int, skipped: int, precision: str) -> Stop:
-    """``stalled``: the loss is non-finite before scaling at ``step`` (see the module docstring)."""
-    return ("stalled", f"forward overflow: the loss is non-finite before scaling ({loss} at step {step}, the last "
-            f"of {skipped} skipped steps in a row), so no loss scale can help: the forward pass overflows in "
-            f"{precision} (smaller inputs, activations or model.init_scale; or bf16 or fp32)")
+def inputs_finite(batch: Mapping[str, Any] | None) -> bool:
+    """Whether every floating-point tensor of the step's ``batch`` is finite (one read, at a stop)."""
+    tensors = [t for t in (batch or {}).values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def logged_loss(loss: float, step: int, skipped_total: int, limit: float, precision: str) -> Stop | None:
+def forward_overflow(loss: float, step: int, skipped: int, precision: str, batch: Mapping[str, Any] | None = None) -> Stop:
+    """``stalled``: the loss is non-finite before scaling at ``step`` (see the module docstring);
+    ``batch``: that step's inputs, which tell a forward overflow from non-finite data."""
+    where = f"({loss} at step {step}, the last of {skipped} skipped steps in a row), so no loss scale can help"
+    if not inputs_finite(batch):
+        return ("stalled", f"non-finite inputs: the loss is non-finite before scaling {where}: the batch of step "
+                f"{step} holds NaN/Inf (check the data pipeline; scalelab-doctor names it)")
+    return ("stalled", f"forward overflow: the loss is non-finite before scaling {where}: the forward pass overflows "
+            f"in {precision} (smaller inputs, activations or model.init_scale; or bf16 or fp32)")
+
+
+def logged_loss(loss: float, step: int, skipped_total: int, limit: float, precision: str,
+                batch: Mapping[str, Any] | None = None) -> Stop | None:
     """The stop for the training loss logged at ``step``, ``skipped_total`` steps skipped so far."""
     if not math.isfinite(loss) and skipped_total == step:  # no step ever applied
-        return forward_overflow(loss, step, step, precision)
+        return forward_overflow(loss, step, step, precision, batch)
     if not math.isfinite(loss) or loss > limit:
         return "diverged", f"training loss {loss} at step {step} is non-finite or above train.divergence_loss={limit}"
     return None
@@ -47,10 +62,11 @@ def eval_loss(loss: float, step: int) -> Stop | None:
     return None if math.isfinite(loss) else ("diverged", f"eval loss is non-finite at step {step}")
 
 
-def skipped_in_a_row(loss: float, step: int, skips: int, scale: float, precision: str) -> Stop:
+def skipped_in_a_row(loss: float, step: int, skips: int, scale: float, precision: str,
+                     batch: Mapping[str, Any] | None = None) -> Stop:
     """``stalled`` after ``skips`` skipped steps in a row ending at ``step`` (``loss``: this step's)."""
     if not math.isfinite(loss):
-        return forward_overflow(loss, step, skips, precision)
+        return forward_overflow(loss, step, skips, precision, batch)
     return ("stalled", f"the strategy skipped {skips} steps in a row (steps {step - skips + 1}-{step}, non-finite "
             f"gradients; scale now {scale:.3g}): the loss scale has collapsed (train.max_consecutive_skips)")
 
