@@ -81,7 +81,7 @@ SCALELAB_HD float clamp_scale(float s, float min_scale, float max_scale) {
 
 // torch.minimum: NaN if either operand is NaN.
 SCALELAB_HD float minimum_nan(float a, float b) {
-  if (is_nan(a) || is_nan(b)) return bits_float(0x7fc00000u);
+  if (is_nan(a) || is_nan(b)) return bits_float(kTorchNaN);
   return a < b ? a : b;
 }
 

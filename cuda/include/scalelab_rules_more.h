@@ -18,10 +18,16 @@
 namespace scalelab {
 namespace rules {
 
-// torch.amax over n floats: the largest, NaN if any is NaN (n >= 1).
+// torch.amax over n floats (n >= 1): the largest, the first of equal ones (+0 / -0), and torch's
+// canonical NaN 0x7fc00000 if any is NaN (torch.amax on the CPU writes that whatever the payload).
+// The CUDA kernels that reduce in parallel (update_kernels.cu) pick by (value, index) so that
+// they return these same bits.
 SCALELAB_HD float amax_nan(const float* x, int64_t n) {
   float m = x[0];
-  for (int64_t i = 0; i < n && !is_nan(m); ++i) m = (is_nan(x[i]) || x[i] > m) ? x[i] : m;
+  for (int64_t i = 0; i < n; ++i) {
+    if (is_nan(x[i])) return bits_float(kTorchNaN);
+    m = x[i] > m ? x[i] : m;
+  }
   return m;
 }
 
@@ -183,7 +189,7 @@ struct LearnedUpdate {
     float next = found ? rn_mul(s, p.backoff_factor) : (fed ? rn_mul(s, exp2_f(-delta)) : up);
     if (!(is_finite(next) && next > 0.f)) next = s;
 
-    const float nan = bits_float(0x7fc00000u);
+    const float nan = bits_float(kTorchNaN);
     *adam_m = found ? 0.f : (fed ? m : *adam_m);
     if (fed) {
       *adam_v = v;
