@@ -59,7 +59,7 @@ def amax_history_update_(
         grad_absmax: float32 abs-max of the unscaled gradients, per group (``[G]``; their max is
         the step's); scaled_max: ``format_max * 2^-margin``; most_recent: ``algo == "most_recent"``.
     """
-    found = found_inf > 0
+    found = found_inf != 0
     rolled = torch.cat([history[1:], grad_absmax.amax().reshape(1).to(history.dtype)])
     hist = torch.where(found, history, rolled)
     amax = hist[-1] if most_recent else hist.amax()

@@ -23,6 +23,12 @@
 namespace scalelab {
 namespace rules {
 
+// Whether a step overflowed: found_inf nonzero, NaN and negative values included. One semantics
+// for every rule, its Python twin (`found_inf != 0`) and the step itself: torch's
+// amp_update_scale_ tests `if (*found_inf)`, and GradScaler.step skips the optimizer step when
+// `sum(found_inf) != 0` (a NaN sum is truthy), so a NaN flag is an overflow everywhere.
+SCALELAB_HD bool overflowed(float found_inf) { return found_inf != 0.f; }
+
 // ---------------------------------------------------------------------------------------------
 // native: torch.amp.GradScaler's backoff/growth (aten/src/ATen/native/cuda/AmpKernels.cu,
 // amp_update_scale_cuda_kernel; seed 000), with Megatron-LM's optional hysteresis.
@@ -43,7 +49,7 @@ struct NativeParams {
 
 SCALELAB_HD void native_update(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
                                float found_inf, const NativeParams& p) {
-  if (found_inf != 0.f) {  // ATen: `if (*found_inf)`; NaN counts as found
+  if (overflowed(found_inf)) {  // ATen: `if (*found_inf)`; NaN counts as found
     const int32_t h = *hysteresis_tracker - 1;
     *hysteresis_tracker = h;
     *growth_tracker = 0;
@@ -147,7 +153,7 @@ inline MaxEmaParams max_ema_params(double target_max, double ema_decay, double g
 
 SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, int32_t* growth_tracker,
                                 float* candidate, float found_inf, float grad_absmax, const MaxEmaParams& p) {
-  const bool found = found_inf > 0.f;
+  const bool found = overflowed(found_inf);
   const float cand = rn_mul(rn_div(1.f, grad_absmax), p.target_max);
   *candidate = cand;
   const bool fed = !found && is_finite(cand) && grad_absmax > 0.f;
@@ -223,7 +229,7 @@ SCALELAB_HD bool ratio_probe(float s, float* log_ratio_ema, int32_t* ema_steps, 
                              float ref_sumsq, float mp_sumsq, bool live, const RatioProbeParams& p, float* moved) {
   const float ref = rn_sqrt(ref_sumsq), mp = rn_sqrt(mp_sumsq);
   *last_ratio = rn_div(ref, mp);
-  const bool valid = live && !(found_inf > 0.f) && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
+  const bool valid = live && !overflowed(found_inf) && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
   float l = rn_sub(log2_f(ref), log2_f(mp));
   if (is_nan(l)) l = 0.f;
   l = l < -kLog2RatioClamp ? -kLog2RatioClamp : (l > kLog2RatioClamp ? kLog2RatioClamp : l);
@@ -290,8 +296,8 @@ struct NormRatioUpdate {
 // ---------------------------------------------------------------------------------------------
 // layerwise: one power-of-two scale per layer group, exactly strategies.layerwise.layerwise_update_.
 //
-//   skip = found_inf > 0
-//   blamed_g = skip && (group_found_inf_g > 0 || emitted_g > 0) && !(contaminated_g > 0);
+//   skip = found_inf != 0
+//   blamed_g = skip && (group_found_inf_g != 0 || emitted_g > 0) && !(contaminated_g > 0);
 //              if skip and no group is blamed, every group is
 //   frozen_g = (skip && !blamed_g) || numel_g == 0
 //   rule per group with found = blamed_g: max_ema (round_pow2 forced, cap_ema_on_overflow as
@@ -314,7 +320,7 @@ struct LayerwiseParams {
 // strategies.layerwise.overflow_origin, group g on a skipped step: own or emitted gradient
 // non-finite, not contaminated from above; blamed = that, or every group when no group is.
 SCALELAB_HD bool origin_of(int64_t g, bool skip, const float* gfi, const float* em, const float* co) {
-  return skip && (gfi[g] > 0.f || em[g] > 0.f) && !(co[g] > 0.f);
+  return skip && (overflowed(gfi[g]) || em[g] > 0.f) && !(co[g] > 0.f);
 }
 SCALELAB_HD bool any_origin(int64_t groups, bool skip, const float* gfi, const float* em, const float* co) {
   bool any = false;
@@ -327,7 +333,7 @@ SCALELAB_HD void layerwise_update(float* scales, int32_t* trackers, float* ema, 
                                   const float* group_found_inf, const float* group_absmax,
                                   const int64_t* group_numel, const float* emitted, const float* contaminated,
                                   int64_t groups, const LayerwiseParams& p) {
-  const bool skip = found_inf > 0.f;
+  const bool skip = overflowed(found_inf);
   const bool any_blamed = any_origin(groups, skip, group_found_inf, emitted, contaminated);
   for (int64_t g = 0; g < groups; ++g) {
     const bool blamed = origin_of(g, skip, group_found_inf, emitted, contaminated) || (skip && !any_blamed);

@@ -3,7 +3,7 @@
 // walks every group from the loss downwards (each group's scale depends on the one above), so the
 // CUDA kernel is one thread; G is the number of layer groups (small).
 //
-//   skip = found_inf > 0; blamed as layerwise (overflow_origin)
+//   skip = found_inf != 0; blamed as layerwise (overflow_origin)
 //   sigma_l  = sqrt(g2_l / max(n_l, 1) * w2_l)                       (sqrt correctly rounded)
 //   wanted_l = sigma_l > 0 ? u_min * (1 / (sigma_l * t)) : 1          (t: the normal quantile)
 //   upper_l  = gmax_l * wmax_l > 0 ? (u_max * (1 / fan_l)) / (gmax_l * wmax_l) : inf
@@ -43,7 +43,7 @@ struct AdaLossStep {
   AdaLossParams p;
 
   SCALELAB_HD void operator()(int64_t) const {
-    const bool skip = *found_inf > 0.f;
+    const bool skip = overflowed(*found_inf);
     const bool any_blamed = any_origin(groups, skip, group_found_inf, emitted, contaminated);
     float prev = 1.f;
     for (int64_t l = groups - 1; l >= 0; --l) {

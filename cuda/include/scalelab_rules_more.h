@@ -46,7 +46,7 @@ struct AmaxHistoryParams {
 
 SCALELAB_HD void amax_history_update(float* scale, float* history, int64_t len, float found_inf, float g,
                                      const AmaxHistoryParams& p) {
-  const bool found = found_inf > 0.f;
+  const bool found = overflowed(found_inf);
   if (!found) {
     for (int64_t i = 0; i + 1 < len; ++i) history[i] = history[i + 1];
     history[len - 1] = g;
@@ -167,7 +167,7 @@ struct LearnedUpdate {
 
   SCALELAB_HD void operator()(int64_t) const {
     const float s = *scale, G = amax_nan(grad_absmax, groups), u = *underflow;
-    const bool found = *found_inf > 0.f;
+    const bool found = overflowed(*found_inf);
     const bool fed = !found && G > 0.f;
     const float d = rn_sub(rn_add(log2_f(s), log2_f(G)), p.log2_target);
     const float loss = rn_add(rn_mul(d, d), rn_mul(u, p.lam));
@@ -247,7 +247,7 @@ struct UnderflowTargetUpdate {
     const float s = *scale;
     const float placed = static_cast<float>(static_cast<double>(s) * ldexp(1.0, static_cast<int>(k)));
     const float grown = p.observed ? rn_mul(s, p.growth_factor) : s;
-    float next = *found_inf > 0.f ? rn_mul(s, p.backoff_factor) : (n > 0.0 ? placed : grown);
+    float next = overflowed(*found_inf) ? rn_mul(s, p.backoff_factor) : (n > 0.0 ? placed : grown);
     if (!(is_finite(next) && next > 0.f)) next = s;
     *scale = next;
   }
@@ -283,7 +283,7 @@ struct ToleranceUpdate {
 
   SCALELAB_HD void operator()(int64_t) const {
     const float s = *scale;
-    const bool found = *found_inf > 0.f;
+    const bool found = overflowed(*found_inf);
     const int64_t o = *overflows, o1 = static_cast<int64_t>(static_cast<uint64_t>(o) + 1u);
     const bool back = found && static_cast<double>(o1) / static_cast<double>(*since_rescale) >= p.tolerance;
     float backed = static_cast<float>(static_cast<double>(s) * p.backoff_factor);
@@ -308,7 +308,7 @@ struct ToleranceUpdate {
 // record_step: the end of every strategy's update (strategies/state.py record_step_), one op
 // instead of four small ones per step:
 //   S[g] <- clamp(S[g], min_scale, max_scale) where given (torch clamp_: NaN stays NaN)
-//   skipped <- found_inf > 0;  skipped_steps += skipped;  found_state <- float(skipped)
+//   skipped <- found_inf != 0;  skipped_steps += skipped;  found_state <- float(skipped)
 // One item per scale entry (n = G); item 0 also records the skip.
 // ---------------------------------------------------------------------------------------------
 struct RecordStepParams {
@@ -328,7 +328,7 @@ struct RecordStep {
     if (p.has_max && s > p.max_scale) s = p.max_scale;
     scale[g] = s;
     if (g == 0) {
-      const bool skipped = *found_inf > 0.f;
+      const bool skipped = overflowed(*found_inf);
       *skipped_steps += skipped ? 1 : 0;
       *found_state = skipped ? 1.f : 0.f;
     }
