@@ -47,6 +47,7 @@ def amax_history_update_(
     history: torch.Tensor,
     found_inf: torch.Tensor,
     grad_absmax: torch.Tensor,
+    format_max: float,
     scaled_max: float,
     backoff_factor: float,
     most_recent: bool,
@@ -55,16 +56,19 @@ def amax_history_update_(
     ``torch.ops.scalelab.amax_history_update_`` (``cuda/include/scalelab_rules_more.h``).
 
     Args:
-        scale: float32 S; history: float32 ``[L]``, newest last; found_inf: float32 flag;
-        grad_absmax: float32 abs-max of the unscaled gradients, per group (``[G]``; their max is
-        the step's); scaled_max: ``format_max * 2^-margin``; most_recent: ``algo == "most_recent"``.
+        scale: float32 S; history: float32 ``[L]``, newest last; found_inf: float32 flag
+        (nonzero: overflow); grad_absmax: float32 abs-max of the unscaled gradients, per group
+        (``[G]``; their max is the step's); format_max: the gradients' largest finite value;
+        scaled_max: ``format_max * 2^-margin``; most_recent: ``algo == "most_recent"``.
     """
     found = found_inf != 0
-    rolled = torch.cat([history[1:], grad_absmax.amax().reshape(1).to(history.dtype)])
-    hist = torch.where(found, history, rolled)
-    amax = hist[-1] if most_recent else hist.amax()
-    target = torch.tensor(scaled_max, dtype=torch.float32, device=scale.device) / amax
-    ok = ~found & (amax > 0) & torch.isfinite(target)
+    f32 = dict(dtype=torch.float32, device=scale.device)
+    bound = torch.tensor(format_max, **f32) / scale  # an overflowed step's amax is at least this
+    record = torch.where(found, bound, grad_absmax.amax().to(torch.float32))
+    hist = torch.cat([history[1:], record.reshape(1)])
+    amax = record if most_recent else hist.amax()
+    target = torch.tensor(scaled_max, **f32) / amax
+    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(target)
     backed = (scale.double() * backoff_factor).float()
     scale.copy_(torch.where(found, backed, torch.where(ok, target, scale)))
     history.copy_(hist)
@@ -94,4 +98,5 @@ class AmaxHistoryStrategy(Strategy):
         assert stats is not None
         p, s = self.params, self.state
         kernels.dispatch("amax_history_update_", amax_history_update_, s.scale, s.amax_history, found_inf,
-                         stats.absmax, p.format_max * 2.0 ** -p.margin, p.backoff_factor, p.algo == "most_recent")
+                         stats.absmax, p.format_max, p.format_max * 2.0 ** -p.margin, p.backoff_factor,
+                         p.algo == "most_recent")

@@ -6,8 +6,10 @@ TransformerEngine ``transformer_engine/common/recipe/delayed_scaling.cu``
 (``"most_recent"``), rolls the history (``new[i] = history[i + 1]``, ``new[L - 1] = history[0]``,
 ``new[0] = 0``) and sets ``scale = (fp8_max * 2^-margin) / amax`` in float32 when amax is finite
 and > 0, else keeps the scale. The loss-scale rule adds (issue 11 item 4) that a non-finite step
-records nothing and backs S off. Random abs-max and overflow sequences go through real
-scale/unscale_/step/update calls; the scale after every update must equal the re-statement's.
+backs S off, and (issue 20) that it is recorded too, as TE records every step's amax: its amax
+is unknown, so the history gets its lower bound format_max / S (some scaled gradient passed
+format_max). Random abs-max and overflow sequences go through real scale/unscale_/step/update
+calls; the scale after every update must equal the re-statement's.
 """
 
 from __future__ import annotations
@@ -29,24 +31,24 @@ class DelayedScaling:
     def __init__(self, scale: float, history_len: int, algo: str, fp8_max: float, margin: float, backoff: float):
         self.scale = np.float32(scale)
         self.amax_history = [np.float32(0.0)] * history_len
-        self.algo, self.backoff = algo, backoff
+        self.algo, self.backoff, self.format_max = algo, backoff, np.float32(fp8_max)
         self.scaled_max = np.float32(fp8_max) * np.float32(2.0 ** -margin)  # fp8_dtype_max * pow(2, -margin)
 
-    def kernel(self) -> None:
+    def kernel(self, found_inf: bool) -> None:
         h = self.amax_history
         last_amax = h[0]
         rolled = [h[i + 1] if i < len(h) - 1 else last_amax for i in range(len(h))]
         amax = max(rolled) if self.algo == "max" else last_amax
         self.amax_history = [np.float32(0.0)] + rolled[1:]
-        if math.isfinite(amax) and amax > 0:
+        if found_inf:  # the loss-scale rule: S * backoff_factor
+            self.scale = np.float32(self.scale * self.backoff)
+        elif math.isfinite(amax) and amax > 0:
             self.scale = np.float32(self.scaled_max / np.float32(amax))
 
     def step(self, found_inf: bool, amax: float) -> float:
-        if found_inf:  # the loss-scale rule: not recorded, S * backoff_factor
-            self.scale = np.float32(self.scale * self.backoff)
-        else:
-            self.amax_history[0] = np.float32(amax)  # the step's amax, written during the step
-            self.kernel()
+        # the step's amax, written during the step; an overflow's lower bound format_max / S
+        self.amax_history[0] = np.float32(self.format_max / self.scale) if found_inf else np.float32(amax)
+        self.kernel(found_inf)
         return float(self.scale)
 
 
@@ -103,12 +105,13 @@ def test_the_random_cases_reach_every_branch() -> None:
 
 
 def test_hand_computed() -> None:
-    """history 2, max: the window is the last two finite steps; overflow: S*0.5, not recorded;
-    amax 0 (all-zero gradients with an all-zero history) keeps S; init until the first finite step."""
-    s = strategies.create("amax_history", init_scale=1024.0, history_len=2, format_max=64.0)
+    """history 2, format_max 64, margin 1 (scaled max 32): an overflow at S backs off to S*0.5 and
+    records format_max / S (step 1: 1/16, so step 2's all-zero gradients keep 32 / (1/16) = 512;
+    step 6: 1, kept in the window by step 7); amax 0 (all-zero gradients, most_recent) keeps S."""
+    s = strategies.create("amax_history", init_scale=1024.0, history_len=2, format_max=64.0, margin=1.0)
     steps = [(True, 1.0), (False, 0.0), (False, 2.0), (False, 0.5), (False, 0.25), (True, 8.0), (False, 1.0)]
-    assert [sc for _, sc in run(s, steps)] == [512.0, 512.0, 32.0, 32.0, 128.0, 64.0, 64.0]
-    assert s.telemetry()["amax_history"].tolist() == [0.25, 1.0]
+    assert [sc for _, sc in run(s, steps)] == [512.0, 512.0, 16.0, 16.0, 64.0, 32.0, 32.0]
+    assert s.telemetry()["amax_history"].tolist() == [1.0, 1.0]
     m = strategies.create("amax_history", init_scale=1024.0, history_len=2, format_max=64.0, margin=1.0,
                           algo="most_recent")
     assert [sc for _, sc in run(m, steps)] == [512.0, 512.0, 16.0, 64.0, 128.0, 64.0, 32.0]
