@@ -207,19 +207,21 @@ def fault_state(op):
 
 
 ADALOSS_CASES = [
-    # underflow rate, layer cap, total cap, backoff, power-of-two bounds
-    (1e-3, 16.0, 1024.0, 0.5, None, None),
-    (1e-2, 8.0, 2.0**16, 0.25, 2.0, 2.0**8),
-    (1e-4, 16.0, 1024.0, 0.5, None, 2.0**9),
+    # underflow rate, layer cap, total cap, backoff, power-of-two bounds, groups
+    (1e-3, 16.0, 1024.0, 0.5, None, None, 5),
+    (1e-2, 8.0, 2.0**16, 0.25, 2.0, 2.0**8, 5),
+    (1e-3, 16.0, 2.0**40, 0.5, None, None, 12),
+    (1e-2, 4.0, 2.0**60, 0.5, 2.0**-20, None, 48),
+    (1e-4, 16.0, 1024.0, 0.5, None, 2.0**9, 200),  # more groups than the CUDA block's threads
 ]
 
 
 def adaloss_trajectory(case):
-    """Five groups (group 2 without weight matrices), the hooks' statistics drawn log-uniformly
+    """G groups (group 2 without weight matrices), the hooks' statistics drawn log-uniformly
     each step (sometimes zero), and 5% skipped steps with the blame scattered over the groups and
     the skipped step's statistics non-finite."""
-    rate, layer_cap, total_cap, backoff, lo, hi = case
-    gen, G = torch.Generator().manual_seed(int(layer_cap) + int(1 / rate)), 5
+    rate, layer_cap, total_cap, backoff, lo, hi, G = case
+    gen = torch.Generator().manual_seed(int(layer_cap) + int(1 / rate) + G)
 
     def u(a, b, n=G):
         return torch.empty(n).uniform_(a, b, generator=gen)
@@ -229,7 +231,7 @@ def adaloss_trajectory(case):
         n = torch.randint(1, 10_000, (G,), generator=gen).float()
         g2 = torch.exp2(u(-70, -8)) * n * (u(0, 1) > 0.1)
         gmax = (g2 / n).sqrt() * u(2, 50) * (u(0, 1) > 0.05)
-        w2, wmax, fan = torch.exp2(u(-14, 0)), torch.ones(G), torch.tensor([512.0, 64.0, 1.0, 16.0, 128.0])
+        w2, fan = torch.exp2(u(-14, 0)), torch.tensor([512.0, 64.0, 1.0, 16.0, 128.0]).repeat(G)[:G]
         wmax = w2.sqrt() * u(2, 8)
         w2[2], wmax[2] = 1.0, 1.0
         found = float(torch.rand((), generator=gen) < 0.05)
