@@ -122,9 +122,30 @@ def test_a_quotient_that_overflows_float32_keeps_the_scale() -> None:
     assert [sc for _, sc in run(s, [(False, 1e-39)])] == [8.0]
 
 
-def test_defaults_are_te_delayed_scaling() -> None:
+def test_defaults_are_te_delayed_scaling_with_margin_one() -> None:
     p = strategies.create("amax_history").params
-    assert (p.history_len, p.algo, p.margin) == (1024, "max", 0.0)
+    assert (p.history_len, p.algo, p.margin) == (1024, "max", 1.0)
+
+
+def overflows_while_growing(margin: float, growth: float, steps: int = 60) -> int:
+    """Steps that overflow in a loop whose gradient abs-max grows by `growth` per step (a step
+    overflows when abs-max * S passes format_max, as its fp16 gradient would)."""
+    s = strategies.create("amax_history", init_scale=1.0, margin=margin)
+    magnitude, overflows = 1e-3, 0
+    for _ in range(steps):
+        bad = magnitude * s.get_scale() > 65504.0
+        overflows += bad
+        run(s, [(bad, magnitude)])
+        magnitude *= growth
+    return overflows
+
+
+def test_growing_gradients_skip_nothing_with_the_default_margin() -> None:
+    """Issue 20: with margin 0 every step whose gradient exceeds the history's max overflows (S
+    sits exactly at format_max / A); margin 1 absorbs growth below 2x per step."""
+    assert overflows_while_growing(1.0, 1.9) == 0
+    assert overflows_while_growing(0.0, 1.05) >= 25  # every other step
+    assert overflows_while_growing(1.0, 2.5) > 0  # growth beyond the margin still overflows
 
 
 def test_history_is_saved_and_validated() -> None:
@@ -134,7 +155,7 @@ def test_history_is_saved_and_validated() -> None:
     assert sd["extra"]["amax_history"] == [0.0, 0.0, 2.0, 1.0]
     t = strategies.create("amax_history", history_len=4, format_max=64.0)
     t.load_state_dict(sd)
-    assert run(t, [(False, 0.5)])[0][1] == run(s, [(False, 0.5)])[0][1] == 32.0
+    assert run(t, [(False, 0.5)])[0][1] == run(s, [(False, 0.5)])[0][1] == 16.0
     with pytest.raises(ValueError, match=r"^state_dict entry 'amax_history' must be a list of 3 numbers"):
         strategies.create("amax_history", history_len=3).load_state_dict(sd)
     bad = dict(sd, extra=dict(sd["extra"], amax_history=[0.0, -1.0, 2.0, 1.0]))
