@@ -13,7 +13,8 @@ the step ran at:
 * every step is recorded, as TE records every step's amax: the step's ``R`` is appended to the
   history (the last ``history_len`` steps, oldest dropped; zeros before it fills, as TE's).
   ``R = G`` on a finite step. On a non-finite step the true amax is unknown, but some scaled
-  gradient passed ``format_max``: ``R = format_max / S`` (float32), its lower bound, so the
+  gradient passed ``format_max``: ``R = format_max / S`` (float32, at most the largest finite
+  float32 so that a saved state stays finite), its lower bound, so the
   history remembers the overflow and the scale does not return to it for ``history_len`` steps;
 * finite step: ``A`` = max of the history (``algo="max"``) or ``R`` (``"most_recent"``);
   ``S <- (format_max * 2^-margin) / A`` in float32 — kept when ``A`` is 0 or not finite (TE) or
@@ -77,7 +78,8 @@ def amax_history_update_(
     """
     found = found_inf != 0
     f32 = dict(dtype=torch.float32, device=scale.device)
-    bound = torch.tensor(format_max, **f32) / scale  # an overflowed step's amax is at least this
+    # an overflowed step's amax is at least this (at most FLT_MAX: a saved state holds finite numbers)
+    bound = (torch.tensor(format_max, **f32) / scale).clamp(max=torch.finfo(torch.float32).max)
     record = torch.where(found, bound, grad_absmax.amax().to(torch.float32))
     hist = torch.cat([history[1:], record.reshape(1)])
     amax = record if most_recent else hist.amax()

@@ -46,8 +46,8 @@ SCALELAB_HD float amax_nan(const float* x, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // amax_history: TransformerEngine's delayed scaling on the loss scale (strategies/amax_history.py).
 //
-//   G = amax(grad_absmax);  R = found ? float32(format_max) / S : G   (an overflowed step's amax is
-//   unknown, but some scaled gradient passed format_max: R is its lower bound)
+//   G = amax(grad_absmax);  R = found ? min(float32(format_max) / S, FLT_MAX) : G   (an overflowed
+//   step's amax is unknown, but some scaled gradient passed format_max: R is its lower bound)
 //   history <- history[1:] + [R]   (every step recorded, as TE records each step's amax)
 //   A = most_recent ? R : amax(history);   T = float32(scaled_max) / A
 //   S <- found ? float(double(S) * backoff) : (A finite && A > 0 && T finite ? T : S)
@@ -62,9 +62,13 @@ struct AmaxHistoryParams {
   bool most_recent;
 };
 
-// The step's record R.
+// The step's record R; the bound is at most FLT_MAX (a scale below format_max / FLT_MAX would
+// make it Inf, which a saved state could not hold).
+constexpr float kFloatMax = 3.40282346638528859812e+38f;
+
 SCALELAB_HD float amax_history_record(float s, bool found, float g, const AmaxHistoryParams& p) {
-  return found ? rn_div(p.format_max, s) : g;
+  const float bound = rn_div(p.format_max, s);
+  return found ? (bound > kFloatMax ? kFloatMax : bound) : g;
 }
 
 // The new scale from the history's amax A.

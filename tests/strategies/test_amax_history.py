@@ -122,6 +122,15 @@ def test_a_quotient_that_overflows_float32_keeps_the_scale() -> None:
     assert [sc for _, sc in run(s, [(False, 1e-39)])] == [8.0]
 
 
+def test_an_overflow_at_a_tiny_scale_records_a_finite_bound_and_saves() -> None:
+    """format_max / S overflows float32 below S = 65504 / FLT_MAX: the bound is FLT_MAX, and the
+    state still saves and loads (a state holds finite numbers)."""
+    s = strategies.create("amax_history", init_scale=2.0**-120, history_len=2)
+    run(s, [(True, 1.0)])
+    assert s.telemetry()["amax_history"].tolist() == [0.0, torch.finfo(torch.float32).max]
+    strategies.create("amax_history", history_len=2).load_state_dict(s.state_dict())
+
+
 def test_defaults_are_te_delayed_scaling_with_margin_one() -> None:
     p = strategies.create("amax_history").params
     assert (p.history_len, p.algo, p.margin) == (1024, "max", 1.0)
