@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <optional>
 #include <vector>
 
@@ -25,6 +26,24 @@ namespace {
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "scalelab: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+// The statistics kernel takes its chunk table as one 32 KB kernel parameter (stats_kernel.cu),
+// which needs a CUDA 12.1+ driver and a Volta (sm_70) or newer GPU. Checked once per device
+// before its first launch; strategies/kernels.py recognises this message and uses the plain-torch
+// pass on that device instead, with one warning.
+void check_large_kernel_parameters(int device) {
+  constexpr int kMaxDevices = 256;
+  static std::atomic<bool> fine[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices && fine[device].load(std::memory_order_relaxed)) return;
+  int driver = 0, major = 0, minor = 0;
+  check_launch(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
+  check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  check_launch(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  TORCH_CHECK(driver >= 12010 && major >= 7,
+              "scalelab: the statistics kernel needs a CUDA 12.1+ driver and a Volta (sm_70) or newer GPU; cuda:",
+              device, " has a CUDA ", driver / 1000, ".", (driver % 1000) / 10, " driver and sm_", major, minor);
+  if (device >= 0 && device < kMaxDevices) fine[device].store(true, std::memory_order_relaxed);
 }
 
 int32_t dtype_code(const at::Tensor& t) {
@@ -43,6 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   check_stats_args(grads, inv_scale, group_index, num_groups);
   TORCH_CHECK(inv_scale.is_cuda(), "scalelab::unscale_and_stats: inv_scale must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(inv_scale.device());
+  check_large_kernel_parameters(inv_scale.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(inv_scale.device().index()).stream();
   const at::Tensor inv = inv_scale.contiguous();
 

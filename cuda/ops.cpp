@@ -54,10 +54,10 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor group_absmax, Tensor group_numel, Tensor emitted, Tensor contaminated, str rule, float target_max, "
       "float ema_decay, float growth_factor, float backoff_factor, int growth_interval, bool grow_on_zero, "
       "float? min_scale, float? max_scale, bool cap_ema_on_overflow=False) -> ()");
-  // amax_history: the history [L] rolled on finite steps; grad_absmax [G] (max taken here).
+  // amax_history: the history [L] rolled every step (an overflow records format_max / S); grad_absmax [G] (max taken here).
   m.def(
       "amax_history_update_(Tensor(a!) scale, Tensor(b!) history, Tensor found_inf, Tensor grad_absmax, "
-      "float scaled_max, float backoff_factor, bool most_recent) -> ()");
+      "float format_max, float scaled_max, float backoff_factor, bool most_recent) -> ()");
   // hybrid: max_ema, the zero-jump trigger and the probe's override; scalar state, grad_absmax [G].
   m.def(
       "hybrid_update_(Tensor(a!) scale, Tensor(b!) ema, Tensor(c!) ema_steps, Tensor(d!) growth_tracker, "

@@ -132,7 +132,7 @@ def _scales_(scales: torch.Tensor, blamed: torch.Tensor, found_inf: torch.Tensor
         _, e = torch.frexp((prev * f).float())
         new[layer] = torch.ldexp(torch.ones_like(prev), e - 1)  # round down to a power of two
         prev = new[layer]
-    skip = found_inf > 0
+    skip = found_inf != 0
     backed = (scales * backoff_factor).float()
     scales.copy_(torch.where(skip, torch.where(blamed, backed, scales), new))
 

@@ -23,6 +23,15 @@ Environment:
   or ``pip install .`` ships as ``strategies/cuda``; in a checkout or editable install,
   ``<repo>/cuda``). The build itself always goes to the build root above, never beside the sources.
 * ``SCALELAB_KERNELS_VERBOSE=1`` — show the compiler output.
+* ``TORCH_CUDA_ARCH_LIST`` — as for any torch extension, with two exceptions, each named in one
+  warning: entries before Volta (sm_70: the statistics kernel passes its chunk table as one
+  32 KB kernel parameter) and entries the installed ``nvcc`` cannot compile are left out, and
+  the rest is built; with none left, the CPU ops are built alone.
+
+At the first CUDA use of a device the ops check it: a GPU before Volta turns every CUDA op off
+there, and a driver older than CUDA 12.1 (which first accepts 32 KB kernel parameters) turns
+the statistics kernel off, each with one ``RuntimeWarning``; the plain-torch path (the twins)
+runs instead of failing at the first step.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
+import subprocess
 import sys
 import threading
 import warnings
@@ -110,8 +121,6 @@ def _ninja_on_path() -> None:
     """torch builds with the ``ninja`` executable found on PATH; the ``ninja`` package (a
     dependency) ships one in its own folder, which is not on PATH when a venv's script is run
     without activating the venv."""
-    import shutil
-
     if shutil.which("ninja") is None:
         try:
             import ninja
@@ -120,9 +129,55 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = str(ninja.BIN_DIR) + os.pathsep + os.environ.get("PATH", "")
 
 
+MIN_CAPABILITY = (7, 0)
+"""Volta: the oldest GPU that takes the statistics kernel's 32 KB parameter (with a CUDA 12.1+ driver)."""
+_PRE_VOLTA_NAMES = ("Kepler+Tesla", "Kepler", "Maxwell+Tegra", "Maxwell", "Pascal")  # torch's named arches
+
+
+def _nvcc_archs() -> tuple[str, set[str]] | None:
+    """(nvcc's version, the compute capabilities it compiles for, e.g. {"75", "80"}), or None if unknown."""
+    from torch.utils import cpp_extension
+
+    nvcc = shutil.which("nvcc") or (cpp_extension.CUDA_HOME and str(Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"))
+    try:
+        archs = subprocess.run([str(nvcc), "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, TypeError):
+        return None
+    found = set(re.findall(r"compute_(\d+)", archs))
+    release = re.search(r"release (\S+),", version)
+    return (release.group(1) if release else "?", found) if found else None
+
+
+def build_arch_list(requested: str, nvcc: tuple[str, set[str]] | None) -> tuple[str, list[str]]:
+    """The ``TORCH_CUDA_ARCH_LIST`` to build with, from the requested one: (kept entries joined
+    by ';', the dropped ones each with its reason). Raises ``RuntimeError`` when none is left."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    for entry in requested.replace(";", " ").split():
+        num = re.fullmatch(r"(\d+)\.(\d+)(\+PTX)?", entry)
+        if entry in _PRE_VOLTA_NAMES or (num and (int(num[1]), int(num[2])) < MIN_CAPABILITY):
+            dropped.append(f"{entry} (before Volta: the statistics kernel's 32 KB parameter needs sm_70 or newer)")
+        elif num and nvcc is not None and f"{num[1]}{num[2]}" not in nvcc[1]:
+            dropped.append(f"{entry} (nvcc {nvcc[0]} cannot compile for it)")
+        else:
+            kept.append(entry)
+    if not kept:
+        raise RuntimeError(f"TORCH_CUDA_ARCH_LIST={requested!r} has no architecture the CUDA kernels can be "
+                           f"built for: {', '.join(dropped)}")
+    return ";".join(kept), dropped
+
+
 def _build(with_cuda: bool) -> None:
     from torch.utils import cpp_extension
 
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if with_cuda and requested is not None:
+        arch, dropped = build_arch_list(requested, _nvcc_archs())
+        if dropped:
+            warnings.warn(f"scalelab: TORCH_CUDA_ARCH_LIST entries left out of the kernel build: {'; '.join(dropped)}"
+                          f"; building for {arch}", RuntimeWarning, stacklevel=4)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     _ninja_on_path()
@@ -132,17 +187,21 @@ def _build(with_cuda: bool) -> None:
     verbose = os.environ.get("SCALELAB_KERNELS_VERBOSE") == "1"
     if not (build_dir / "scalelab_ops.so").exists():
         print(f"scalelab: building the kernel extension in {build_dir} (once, about a minute)", file=sys.stderr)
-    cpp_extension.load(
-        name="scalelab_ops",
-        sources=_sources(with_cuda),
-        extra_cflags=cflags,
-        extra_cuda_cflags=["-O3", "--fmad=false", "-DSCALELAB_WITH_CUDA"],
-        extra_include_paths=[str(source_dir() / "include")],
-        build_directory=str(build_dir),
-        with_cuda=with_cuda,
-        is_python_module=False,
-        verbose=verbose,
-    )
+    try:
+        cpp_extension.load(
+            name="scalelab_ops",
+            sources=_sources(with_cuda),
+            extra_cflags=cflags,
+            extra_cuda_cflags=["-O3", "--fmad=false", "-DSCALELAB_WITH_CUDA"],
+            extra_include_paths=[str(source_dir() / "include")],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        if requested is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = requested
 
 
 def load() -> bool:
@@ -157,13 +216,20 @@ def load() -> bool:
             _loaded, _reason = False, "disabled by SCALELAB_KERNELS=0"
             return False
         try:
+            with_cuda = _use_cuda()
+            old = [i for i in range(torch.cuda.device_count()) if _capability(i) < MIN_CAPABILITY] \
+                if with_cuda else []
+            if with_cuda and len(old) == torch.cuda.device_count():
+                warnings.warn(f"scalelab: no CUDA kernels: {_device_reason(old[0])}; building the CPU ops only",
+                              RuntimeWarning, stacklevel=3)
+                with_cuda = False
             try:
-                _build(_use_cuda())
+                _build(with_cuda)
             except Exception as exc:
-                if not _use_cuda():
+                if not with_cuda:
                     raise
-                # The CUDA part failed (nvcc / host compiler mismatch, ...): keep the CPU twin.
-                warnings.warn(f"scalelab: CUDA kernels failed to build ({type(exc).__name__}); "
+                # The CUDA part failed (nvcc / host compiler mismatch, no buildable arch, ...): keep the CPU twin.
+                warnings.warn(f"scalelab: CUDA kernels failed to build ({type(exc).__name__}: {_last_line(exc)}); "
                               "building the CPU ops only", RuntimeWarning, stacklevel=3)
                 _build(False)
             _loaded = hasattr(torch.ops.scalelab, "unscale_and_stats")
@@ -173,7 +239,7 @@ def load() -> bool:
                 _reason = "the built library registered no scalelab ops"
         except Exception as exc:  # no compiler, failed build, missing sources: fall back
             _loaded = False
-            _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            _reason = f"{type(exc).__name__}: {_last_line(exc)}"
         if not _loaded:
             warnings.warn(
                 f"scalelab: fused kernels unavailable ({_reason}); using the plain-torch path",
@@ -181,6 +247,46 @@ def load() -> bool:
                 stacklevel=3,
             )
         return _loaded
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else ""
+
+
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def _device_reason(index: int) -> str:
+    major, minor = _capability(index)
+    return (f"cuda:{index} ({torch.cuda.get_device_name(index)}) is sm_{major}{minor}, the kernels need "
+            f"Volta (sm_70) or newer")
+
+
+_CUDA_OFF: dict[tuple[str, int], bool] = {}
+"""(what, device index) -> whether that part of the CUDA ops is off there: what = "all" (a GPU
+before Volta) or "stats" (a driver before CUDA 12.1, seen at the statistics kernel's first launch)."""
+
+
+def _cuda_on(index: int | None, what: str = "all") -> bool:
+    """Whether the CUDA ops may run on device ``index`` (checked once per device, one warning)."""
+    i = torch.cuda.current_device() if index is None else index
+    off = _CUDA_OFF.get(("all", i))
+    if off is None:
+        off = _capability(i) < MIN_CAPABILITY
+        _CUDA_OFF[("all", i)] = off
+        if off:
+            warnings.warn(f"scalelab: CUDA kernels off: {_device_reason(i)}; using the plain-torch path",
+                          RuntimeWarning, stacklevel=4)
+    return not (off or _CUDA_OFF.get((what, i), False))
+
+
+def _stats_off(index: int | None, message: str) -> None:
+    i = torch.cuda.current_device() if index is None else index
+    if not _CUDA_OFF.get(("stats", i)):
+        _CUDA_OFF[("stats", i)] = True
+        warnings.warn(f"{message}; using the plain-torch statistics pass there", RuntimeWarning, stacklevel=4)
 
 
 def op_names() -> list[str]:
@@ -255,9 +361,8 @@ def unscale_and_stats(
     dev = inv_scale.device
     if dev.type not in ("cpu", "cuda") or inv_scale.dtype != torch.float32:
         return None
-    if dev.type == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "scalelab::unscale_and_stats", "CUDA"
-    ):
+    if dev.type == "cuda" and not (torch._C._dispatch_has_kernel_for_dispatch_key(
+            "scalelab::unscale_and_stats", "CUDA") and _cuda_on(dev.index, "stats")):
         return None
     if group_index is None:
         gi: list[int] = []
@@ -278,12 +383,17 @@ def unscale_and_stats(
             return tuple(torch.ops.scalelab.unscale_and_stats.default(
                 grads if isinstance(grads, list) else list(grads), inv_scale, gi, int(num_groups)))
     except RuntimeError as exc:
+        if _OLD_DRIVER in str(exc):
+            _stats_off(dev.index, _last_line(exc))
+            return None
         if any(m in str(exc) for m in _DECLINED):
             return None
         raise
 
 
 _DECLINED = ("must be float32, float16 or bfloat16", "every gradient must be on")
+_OLD_DRIVER = "scalelab: the statistics kernel needs a CUDA 12.1+ driver"
+"""The shim's message (cuda/cuda_shim.cpp) when the driver cannot take a 32 KB kernel parameter."""
 
 
 _OP_ON: dict[tuple[str, str], bool] = {}
@@ -339,7 +449,8 @@ def dispatch(op: str, twin: Callable[..., Any], *args: Any) -> None:
     and the op registration only (recipe: ``cuda/README.md``).
     """
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None  # every op starts with the scale
-    if first is not None and _op_on(op, first.device.type):
+    if first is not None and _op_on(op, first.device.type) and (
+            first.device.type != "cuda" or _cuda_on(first.device.index)):
         # The op checks device, dtype and contiguity of every tensor before it writes anything (a
         # Python loop over them here cost more than the op); one it does not take is declined.
         try:

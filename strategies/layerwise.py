@@ -91,8 +91,8 @@ def overflow_origin(found_inf: torch.Tensor, group_found_inf: torch.Tensor, emit
                     contaminated: torch.Tensor) -> torch.Tensor:
     """The groups an overflow is attributed to on a skipped step (bool [G]): own gradients or an
     emitted gradient non-finite, and not contaminated from above; every group if none qualifies."""
-    skip = found_inf > 0
-    blamed = ((group_found_inf > 0) | (emitted > 0)) & ~(contaminated > 0) & skip
+    skip = found_inf != 0
+    blamed = ((group_found_inf != 0) | (emitted > 0)) & ~(contaminated > 0) & skip
     return blamed | (skip & ~blamed.any())
 
 
@@ -141,7 +141,7 @@ def layerwise_update_(
     groups that received no gradient, keep their state; every tracker restarts on a skipped step.
     New scales are rounded down to powers of two and clamped.
     """
-    skip = found_inf > 0
+    skip = found_inf != 0
     blamed = overflow_origin(found_inf, group_found_inf, emitted, contaminated)
     frozen = (skip & ~blamed) | (group_numel == 0)
     old = [t.clone() for t in (scales, growth_trackers, ema, ema_steps, hysteresis)]

@@ -136,7 +136,7 @@ def learned_update_(
     """
     f32_of_double = kernels.f32_of_double
     grad_absmax = grad_absmax.amax()
-    found = found_inf > 0
+    found = found_inf != 0
     fed = ~found & (grad_absmax > 0)
     u = underflow.to(torch.float32)
     d = f32_of_double(torch.log2, scale) + f32_of_double(torch.log2, grad_absmax) - math.log2(target_max)

@@ -103,7 +103,7 @@ def max_ema_update_(
             seed's rule, EMA untouched).
         other arguments: the rule's hyper-parameters (see the module docstring).
     """
-    found = found_inf > 0
+    found = found_inf != 0
     cand = (target_max / grad_absmax).to(torch.float32)
     candidate.copy_(cand)
     fed = ~found & torch.isfinite(cand) & (grad_absmax > 0)

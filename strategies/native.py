@@ -70,7 +70,7 @@ def native_update_(
         found_inf: float32, > 0 when the step's gradients were non-finite.
         other arguments: the rule's hyper-parameters (see the module docstring).
     """
-    found = found_inf > 0
+    found = found_inf != 0
     h_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (h_after <= 0)
     t_after = torch.where(found, torch.zeros_like(growth_tracker), growth_tracker + 1)
@@ -89,14 +89,14 @@ def refill_on_clean_step_(hysteresis_tracker: torch.Tensor, found_inf: torch.Ten
     """``h <- H`` after every clean step (Apex ``update_scale_hysteresis_cuda_kernel``: "Reset the
     hysteresis tracker if no infs are found"; DeepSpeed ``consecutive_hysteresis=True``). In place,
     no host sync; run after :func:`native_update_`, which refills only at growth."""
-    hysteresis_tracker.copy_(torch.where(found_inf > 0, hysteresis_tracker, torch.full_like(hysteresis_tracker, hysteresis)))
+    hysteresis_tracker.copy_(torch.where(found_inf != 0, hysteresis_tracker, torch.full_like(hysteresis_tracker, hysteresis)))
 
 
 def native_floor_hit(scale: torch.Tensor, hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor,
                      min_scale: float) -> torch.Tensor:
     """DeepSpeed's ``raise_error_at_min_scale`` condition, before the update: an overflow that
     backs off (budget spent: ``h - 1 <= 0``) while S is already at ``min_scale``."""
-    return (found_inf > 0) & (hysteresis_tracker - 1 <= 0) & (scale <= min_scale)
+    return (found_inf != 0) & (hysteresis_tracker - 1 <= 0) & (scale <= min_scale)
 
 
 HYSTERESIS_REFILL = ("growth", "clean_step")

@@ -86,7 +86,7 @@ def ratio_probe_(
     # (scalelab_common.h): torch's float32 sqrt/log2 on the CPU (MKL) are not correctly rounded.
     ref, mp = kernels.f32_of_double(torch.sqrt, ref_sumsq), kernels.f32_of_double(torch.sqrt, mp_sumsq)
     last_ratio.copy_(ref / mp)
-    found = found_inf > 0
+    found = found_inf != 0
     valid = ~found & torch.isfinite(ref) & torch.isfinite(mp) & ((ref > 0) | (mp > 0))
     if live is not None:
         valid = valid & live

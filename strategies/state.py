@@ -104,12 +104,12 @@ def base_state(per_group: bool) -> tuple[State, ...]:
 def record_step_(scale: torch.Tensor, skipped_steps: torch.Tensor, found_state: torch.Tensor,
                  found_inf: torch.Tensor, min_scale: float | None, max_scale: float | None) -> None:
     """The end of every update (:meth:`Strategy.update`), in place: the scale(s) clamped to
-    ``[min_scale, max_scale]`` where given, ``skipped_steps`` + 1 when ``found_inf > 0``, and
+    ``[min_scale, max_scale]`` where given, ``skipped_steps`` + 1 when ``found_inf != 0``, and
     ``found_state`` set to that. The Python twin of ``torch.ops.scalelab.record_step_`` (one op
     instead of four per step)."""
     if min_scale is not None or max_scale is not None:
         scale.clamp_(min=min_scale, max=max_scale)
-    skipped = found_inf > 0
+    skipped = found_inf != 0
     skipped_steps.add_(skipped.to(torch.int64))
     found_state.copy_(skipped)
 

@@ -68,7 +68,7 @@ def tolerance_update_(
         fault: int64 fault flag (``on_min_scale="raise"``) or None (clamp: the base clamps);
             with it, an overflow leaving S <= ``min_scale`` restores S and records ``step``.
     """
-    found = found_inf > 0
+    found = found_inf != 0
     o1 = overflows + 1
     back = found & (o1.double() / since_rescale.double() >= tolerance)
     wide = scale.double()  # S * factor in double, rounded once (as native / torch)

@@ -97,7 +97,7 @@ def underflow_target_update_(
     k = torch.minimum(k_under, k_over).clamp(-max_shift, max_shift)
     placed = (scale.double() * torch.exp2(k)).float()
     grown = (scale * growth_factor).float() if observed else scale
-    new = torch.where(found_inf > 0, (scale * backoff_factor).float(), torch.where(n > 0, placed, grown))
+    new = torch.where(found_inf != 0, (scale * backoff_factor).float(), torch.where(n > 0, placed, grown))
     scale.copy_(torch.where(torch.isfinite(new) & (new > 0), new, scale))
     exp_hist.zero_()
 

@@ -169,7 +169,7 @@ void layerwise_update_op(at::Tensor& scales, at::Tensor& growth_trackers, at::Te
                                  contaminated.const_data_ptr<float>(),
                                  G,
                                  p};
-  run(d, f, 1, "layerwise_update_");  // one thread: the blame needs every group first
+  run(d, f, 1, "layerwise_update_");  // on CUDA: one block, a thread per group (update_kernels.cu)
 }
 
 // Several one-element tensors of one dtype (the one-thread rules' state and statistics).
@@ -186,18 +186,18 @@ int64_t check_absmax(const at::Tensor& grad_absmax, const at::Device& d) {
 }
 
 void amax_history_update_op(at::Tensor& scale, at::Tensor& history, const at::Tensor& found_inf,
-                            const at::Tensor& grad_absmax, double scaled_max, double backoff_factor,
-                            bool most_recent) {
+                            const at::Tensor& grad_absmax, double format_max, double scaled_max,
+                            double backoff_factor, bool most_recent) {
   const at::Device d = scale.device();
   check_scalars({{&scale, "scale"}, {&found_inf, "found_inf"}}, d, at::kFloat);
   TORCH_CHECK(history.numel() >= 1, "scalelab: history must not be empty");
   check(history, d, at::kFloat, "history", history.numel());
   const int64_t groups = check_absmax(grad_absmax, d);
+  const rules::AmaxHistoryParams p{static_cast<float>(format_max), static_cast<float>(scaled_max), backoff_factor,
+                                   most_recent};
   const rules::AmaxHistoryUpdate f{scale.data_ptr<float>(), history.data_ptr<float>(), history.numel(),
-                                   found_inf.const_data_ptr<float>(), grad_absmax.const_data_ptr<float>(), groups,
-                                   rules::AmaxHistoryParams{static_cast<float>(scaled_max), backoff_factor,
-                                                            most_recent}};
-  run(d, f, 1, "amax_history_update_");
+                                   found_inf.const_data_ptr<float>(), grad_absmax.const_data_ptr<float>(), groups, p};
+  run(d, f, 1, "amax_history_update_");  // on CUDA: one block (update_kernels.cu)
 }
 
 void hybrid_update_op(at::Tensor& scale, at::Tensor& ema, at::Tensor& ema_steps, at::Tensor& growth_tracker,
@@ -311,7 +311,7 @@ void tolerance_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tens
   run(d, f, 1, "tolerance_update_");
 }
 
-// layerwise rule adaloss: every group from the loss downwards (one thread); state and statistics [G].
+// layerwise rule adaloss: every group from the loss downwards; state and statistics [G].
 void adaloss_step_op(at::Tensor& scales, at::Tensor& origin, at::Tensor& g2, at::Tensor& n, at::Tensor& gmax,
                      const at::Tensor& found_inf, const at::Tensor& group_found_inf, const at::Tensor& emitted,
                      const at::Tensor& contaminated, const at::Tensor& w2, const at::Tensor& wmax, const at::Tensor& fan,
@@ -337,7 +337,7 @@ void adaloss_step_op(at::Tensor& scales, at::Tensor& origin, at::Tensor& g2, at:
                              group_found_inf.const_data_ptr<float>(), emitted.const_data_ptr<float>(),
                              contaminated.const_data_ptr<float>(), w2.const_data_ptr<float>(),
                              wmax.const_data_ptr<float>(), fan.const_data_ptr<float>(), G, p};
-  run(d, f, 1, "adaloss_step_");
+  run(d, f, 1, "adaloss_step_");  // on CUDA: one block, a thread per group (update_kernels.cu)
 }
 
 // Every strategy's update ends here: clamp the scale(s), count a skipped step, remember found_inf.

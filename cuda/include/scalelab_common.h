@@ -101,41 +101,76 @@ SCALELAB_HD uint16_t float_to_fp16_bits(float f) {
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// The NaN a host CPU writes when a float32 operation's result is NaN, so that a rule computes the
+// same bits on the GPU as its CPU twin (and the Python twin on the CPU) when a state it stores
+// (max_ema's candidate = target_max / G for a NaN G, norm_ratio's last_ratio = 0 / 0) is NaN:
+// x86-64 SSE/AVX propagates the first NaN operand, quietened (payload and sign kept), and creates
+// the "real indefinite" 0xffc00000 for an invalid operation (0/0, inf - inf, 0 * inf, sqrt(-1)).
+// AArch64 (FPCR.DN = 0, Linux's default) propagates the same way and creates 0x7fc00000. CUDA
+// instead returns its canonical 0x7fffffff for every NaN result, so the device arithmetic below
+// rewrites a NaN result with host_nan(). (Two NaN operands: x86 keeps the first, as written here;
+// AArch64 prefers a signalling one; torch's twins never combine two NaNs in a stored state.)
+#if defined(__aarch64__) || defined(_M_ARM64)
+constexpr uint32_t kHostDefaultNaN = 0x7fc00000u;
+#else
+constexpr uint32_t kHostDefaultNaN = 0xffc00000u;
+#endif
+constexpr uint32_t kQuietBit = 0x00400000u;
+// The NaN torch writes for float('nan') and for a NaN reduction (torch.amax, torch.minimum of a NaN).
+constexpr uint32_t kTorchNaN = 0x7fc00000u;
+
+SCALELAB_HD float host_nan(float a, float b) {
+  if (is_nan(a)) return bits_float(float_bits(a) | kQuietBit);
+  if (is_nan(b)) return bits_float(float_bits(b) | kQuietBit);
+  return bits_float(kHostDefaultNaN);
+}
+
 // Single-rounding float32 arithmetic that no compiler contracts into an FMA: the rules must
 // round exactly like torch's separate elementwise kernels (one rounding per op). On the host
 // the extension is compiled with -ffp-contract=off; on the device the _rn intrinsics are never
-// fused, whatever --fmad says.
+// fused, whatever --fmad says, and a NaN result takes the host's bits (host_nan).
+#if defined(__CUDA_ARCH__)
+#define SCALELAB_HOST_NAN(r, a, b) (is_nan(r) ? host_nan(a, b) : (r))
+#endif
 SCALELAB_HD float rn_mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
+  const float r = __fmul_rn(a, b);
+  return SCALELAB_HOST_NAN(r, a, b);
 #else
   return a * b;
 #endif
 }
 SCALELAB_HD float rn_add(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
+  const float r = __fadd_rn(a, b);
+  return SCALELAB_HOST_NAN(r, a, b);
 #else
   return a + b;
 #endif
 }
 SCALELAB_HD float rn_sub(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
+  const float r = __fsub_rn(a, b);
+  return SCALELAB_HOST_NAN(r, a, b);
 #else
   return a - b;
 #endif
 }
 SCALELAB_HD float rn_div(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
+  const float r = __fdiv_rn(a, b);
+  return SCALELAB_HOST_NAN(r, a, b);
 #else
   return a / b;
 #endif
 }
+// sqrt as torch computes it (the twins' sqrt of float32 or of its double): a NaN argument's NaN
+// quietened, torch's 0x7fc00000 for a negative one (the C library would create 0xffc00000).
 SCALELAB_HD float rn_sqrt(float a) {
+  if (a < 0.f) return bits_float(kTorchNaN);
 #if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(a);
+  const float r = __fsqrt_rn(a);
+  return SCALELAB_HOST_NAN(r, a, a);
 #else
   return __builtin_sqrtf(a);
 #endif

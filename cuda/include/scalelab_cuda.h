@@ -39,5 +39,14 @@ cudaError_t unscale_and_stats(const GradArg* grads, int64_t num_grads, const flo
 template <typename F>
 cudaError_t launch_rule(const F& f, int64_t n, cudaStream_t stream);
 
+// The rules whose CUDA kernel is one block of threads cooperating over the groups or the history
+// (update_kernels.cu; same results as the functor's operator() on the CPU).
+template <>
+cudaError_t launch_rule<rules::AmaxHistoryUpdate>(const rules::AmaxHistoryUpdate& f, int64_t n, cudaStream_t stream);
+template <>
+cudaError_t launch_rule<rules::LayerwiseUpdate>(const rules::LayerwiseUpdate& f, int64_t n, cudaStream_t stream);
+template <>
+cudaError_t launch_rule<rules::AdaLossStep>(const rules::AdaLossStep& f, int64_t n, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace scalelab

@@ -1,6 +1,6 @@
 // scalelab_rules.h — the scale-update rules of every strategy as scalar __host__ __device__
 // functions: the one source of truth for the arithmetic of the CUDA update kernels
-// (cuda/kernels/update_kernels.cu, one thread or one thread per layer group) and of the CPU twin
+// (cuda/kernels/update_kernels.cu: one thread, one thread per layer group, or one block) and of the CPU twin
 // (cuda/cpu/update_cpu.cpp). No torch; plain g++ compiles it (SCALELAB_HD expands to `inline`).
 //
 // Each rule also has a functor form, `<Rule>Update`: the state/statistics pointers and the
@@ -13,15 +13,21 @@
 //   native      strategies/native.py   native_update_  (torch._amp_update_scale_ when H == 1)
 //   max_ema     strategies/max_ema.py
 //   norm_ratio  strategies/norm_ratio.py
-//   layerwise   strategies/layerwise.py (per group)
-// and, in scalelab_rules_more.h (included at the end): amax_history, hybrid, learned,
-// underflow_target, tolerance; in scalelab_rules_adaloss.h: layerwise's rule adaloss.
+// and, in the headers included at the end: layerwise (scalelab_rules_layerwise.h), amax_history,
+// hybrid, learned, underflow_target, tolerance (scalelab_rules_more.h), layerwise's rule adaloss
+// (scalelab_rules_adaloss.h).
 #pragma once
 
 #include "scalelab_common.h"
 
 namespace scalelab {
 namespace rules {
+
+// Whether a step overflowed: found_inf nonzero, NaN and negative values included. One semantics
+// for every rule, its Python twin (`found_inf != 0`) and the step itself: torch's
+// amp_update_scale_ tests `if (*found_inf)`, and GradScaler.step skips the optimizer step when
+// `sum(found_inf) != 0` (a NaN sum is truthy), so a NaN flag is an overflow everywhere.
+SCALELAB_HD bool overflowed(float found_inf) { return found_inf != 0.f; }
 
 // ---------------------------------------------------------------------------------------------
 // native: torch.amp.GradScaler's backoff/growth (aten/src/ATen/native/cuda/AmpKernels.cu,
@@ -43,7 +49,7 @@ struct NativeParams {
 
 SCALELAB_HD void native_update(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
                                float found_inf, const NativeParams& p) {
-  if (found_inf != 0.f) {  // ATen: `if (*found_inf)`; NaN counts as found
+  if (overflowed(found_inf)) {  // ATen: `if (*found_inf)`; NaN counts as found
     const int32_t h = *hysteresis_tracker - 1;
     *hysteresis_tracker = h;
     *growth_tracker = 0;
@@ -81,7 +87,7 @@ SCALELAB_HD float clamp_scale(float s, float min_scale, float max_scale) {
 
 // torch.minimum: NaN if either operand is NaN.
 SCALELAB_HD float minimum_nan(float a, float b) {
-  if (is_nan(a) || is_nan(b)) return bits_float(0x7fc00000u);
+  if (is_nan(a) || is_nan(b)) return bits_float(kTorchNaN);
   return a < b ? a : b;
 }
 
@@ -147,7 +153,7 @@ inline MaxEmaParams max_ema_params(double target_max, double ema_decay, double g
 
 SCALELAB_HD void max_ema_update(float* scale, float* ema, int32_t* ema_steps, int32_t* growth_tracker,
                                 float* candidate, float found_inf, float grad_absmax, const MaxEmaParams& p) {
-  const bool found = found_inf > 0.f;
+  const bool found = overflowed(found_inf);
   const float cand = rn_mul(rn_div(1.f, grad_absmax), p.target_max);
   *candidate = cand;
   const bool fed = !found && is_finite(cand) && grad_absmax > 0.f;
@@ -223,7 +229,7 @@ SCALELAB_HD bool ratio_probe(float s, float* log_ratio_ema, int32_t* ema_steps, 
                              float ref_sumsq, float mp_sumsq, bool live, const RatioProbeParams& p, float* moved) {
   const float ref = rn_sqrt(ref_sumsq), mp = rn_sqrt(mp_sumsq);
   *last_ratio = rn_div(ref, mp);
-  const bool valid = live && !(found_inf > 0.f) && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
+  const bool valid = live && !overflowed(found_inf) && is_finite(ref) && is_finite(mp) && (ref > 0.f || mp > 0.f);
   float l = rn_sub(log2_f(ref), log2_f(mp));
   if (is_nan(l)) l = 0.f;
   l = l < -kLog2RatioClamp ? -kLog2RatioClamp : (l > kLog2RatioClamp ? kLog2RatioClamp : l);
@@ -287,113 +293,9 @@ struct NormRatioUpdate {
   }
 };
 
-// ---------------------------------------------------------------------------------------------
-// layerwise: one power-of-two scale per layer group, exactly strategies.layerwise.layerwise_update_.
-//
-//   skip = found_inf > 0
-//   blamed_g = skip && (group_found_inf_g > 0 || emitted_g > 0) && !(contaminated_g > 0);
-//              if skip and no group is blamed, every group is
-//   frozen_g = (skip && !blamed_g) || numel_g == 0
-//   rule per group with found = blamed_g: max_ema (round_pow2 forced, cap_ema_on_overflow as
-//   given) or backoff/growth (torch's rule, H = 1, then round_down_pow2); frozen groups keep scale/tracker/ema/steps/hysteresis;
-//   every tracker restarts on a skipped step; scales clamped to [min, max]; origin_g = blamed_g
-//
-// Runs over all G groups in one call (the blame needs the any() over groups first), so the CUDA
-// kernel is one thread; G is the number of layer groups (small).
-// ---------------------------------------------------------------------------------------------
-enum LayerwiseRule : int32_t { kLayerwiseMaxEma = 0, kLayerwiseBackoffGrowth = 1 };
-
-struct LayerwiseParams {
-  int32_t rule;
-  MaxEmaParams max_ema;  // round_pow2 = true
-  NativeParams native;   // hysteresis = 1
-  bool has_min, has_max;
-  float min_scale, max_scale;
-};
-
-// strategies.layerwise.overflow_origin, group g on a skipped step: own or emitted gradient
-// non-finite, not contaminated from above; blamed = that, or every group when no group is.
-SCALELAB_HD bool origin_of(int64_t g, bool skip, const float* gfi, const float* em, const float* co) {
-  return skip && (gfi[g] > 0.f || em[g] > 0.f) && !(co[g] > 0.f);
-}
-SCALELAB_HD bool any_origin(int64_t groups, bool skip, const float* gfi, const float* em, const float* co) {
-  bool any = false;
-  for (int64_t g = 0; g < groups; ++g) any |= origin_of(g, skip, gfi, em, co);
-  return any;
-}
-
-SCALELAB_HD void layerwise_update(float* scales, int32_t* trackers, float* ema, int32_t* ema_steps,
-                                  int32_t* hysteresis, float* candidate, float* origin, float found_inf,
-                                  const float* group_found_inf, const float* group_absmax,
-                                  const int64_t* group_numel, const float* emitted, const float* contaminated,
-                                  int64_t groups, const LayerwiseParams& p) {
-  const bool skip = found_inf > 0.f;
-  const bool any_blamed = any_origin(groups, skip, group_found_inf, emitted, contaminated);
-  for (int64_t g = 0; g < groups; ++g) {
-    const bool blamed = origin_of(g, skip, group_found_inf, emitted, contaminated) || (skip && !any_blamed);
-    const bool frozen = (skip && !blamed) || group_numel[g] == 0;
-    float s = scales[g], e = ema[g], cand = candidate[g];
-    int32_t t = trackers[g], n = ema_steps[g], h = hysteresis[g];
-    const float f = blamed ? 1.f : 0.f;
-    if (p.rule == kLayerwiseMaxEma) {
-      max_ema_update(&s, &e, &n, &t, &cand, f, group_absmax[g], p.max_ema);
-    } else {
-      native_update(&s, &t, &h, f, p.native);
-      s = round_down_pow2(s);
-    }
-    candidate[g] = cand;
-    if (!frozen) {
-      scales[g] = s;
-      trackers[g] = t;
-      ema[g] = e;
-      ema_steps[g] = n;
-      hysteresis[g] = h;
-    }
-    if (skip) trackers[g] = 0;
-    float c = scales[g];
-    if (p.has_min && c < p.min_scale) c = p.min_scale;
-    if (p.has_max && c > p.max_scale) c = p.max_scale;
-    scales[g] = c;
-    origin[g] = f;
-  }
-}
-
-inline LayerwiseParams layerwise_params(int32_t rule, double target_max, double ema_decay, double growth_factor,
-                                        double backoff_factor, int64_t growth_interval, bool grow_on_zero,
-                                        bool has_min, double min_scale, bool has_max, double max_scale,
-                                        bool cap_ema_on_overflow) {
-  LayerwiseParams p;
-  p.rule = rule;
-  p.max_ema = max_ema_params(target_max, ema_decay, growth_factor, backoff_factor, growth_interval, true,
-                             grow_on_zero, cap_ema_on_overflow);
-  p.native = NativeParams{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval), 1};
-  p.has_min = has_min;
-  p.has_max = has_max;
-  p.min_scale = static_cast<float>(min_scale);
-  p.max_scale = static_cast<float>(max_scale);
-  return p;
-}
-
-// All groups in one call (item 0 only): the blame needs the any() over groups first.
-struct LayerwiseUpdate {
-  float* scales;
-  int32_t* trackers;
-  float* ema;
-  int32_t *ema_steps, *hysteresis;
-  float *candidate, *origin;
-  const float *found_inf, *group_found_inf, *group_absmax;
-  const int64_t* group_numel;
-  const float *emitted, *contaminated;
-  int64_t groups;
-  LayerwiseParams p;
-  SCALELAB_HD void operator()(int64_t) const {
-    layerwise_update(scales, trackers, ema, ema_steps, hysteresis, candidate, origin, *found_inf, group_found_inf,
-                     group_absmax, group_numel, emitted, contaminated, groups, p);
-  }
-};
-
 }  // namespace rules
 }  // namespace scalelab
 
-#include "scalelab_rules_more.h"     // the later rules (split for the 400-line limit)
-#include "scalelab_rules_adaloss.h"  // layerwise rule: adaloss
+#include "scalelab_rules_layerwise.h"  // layerwise (split for the 400-line limit)
+#include "scalelab_rules_more.h"       // the later rules
+#include "scalelab_rules_adaloss.h"    // layerwise rule: adaloss

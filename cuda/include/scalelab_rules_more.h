@@ -7,8 +7,9 @@
 //   learned           strategies/learned.py           learned_update_
 //   underflow_target  strategies/underflow_target.py  underflow_target_update_
 //   tolerance         strategies/tolerance.py         tolerance_update_
-// All five run as one thread (n = 1): the first four reduce over the step's groups (abs-max) or
-// over their own state (the amax history, the exponent histogram) first; tolerance's state is scalar.
+// hybrid, learned, underflow_target and tolerance run as one thread (n = 1), reducing over the
+// step's groups (abs-max) or their own state (the exponent histogram) first; amax_history's CUDA
+// kernel is one block reducing its history in parallel (update_kernels.cu).
 // Then every rule's epilogue record_step (strategies/state.py record_step_; one item per scale
 // entry) and count_fraction (strategies/stats.py count_fraction_reference; one thread).
 #pragma once
@@ -18,41 +19,63 @@
 namespace scalelab {
 namespace rules {
 
-// torch.amax over n floats: the largest, NaN if any is NaN (n >= 1).
+// torch.amax over n floats (n >= 1): the largest, the first of equal ones (+0 / -0), and torch's
+// canonical NaN 0x7fc00000 if any is NaN (torch.amax on the CPU writes that whatever the payload).
+// A parallel reduction gets the same bits by combining (value, index) pairs with amax_pick.
+struct AmaxPick {
+  float v;
+  int64_t i;  // -1: nothing yet (the identity)
+};
+
+SCALELAB_HD AmaxPick amax_pick(AmaxPick a, AmaxPick b) {
+  if (a.i < 0) return b;
+  if (b.i < 0) return a;
+  const int64_t first = a.i < b.i ? a.i : b.i;
+  if (is_nan(a.v) || is_nan(b.v)) return AmaxPick{bits_float(kTorchNaN), first};
+  if (b.v > a.v) return b;
+  if (a.v > b.v) return a;
+  return a.i < b.i ? a : b;
+}
+
 SCALELAB_HD float amax_nan(const float* x, int64_t n) {
-  float m = x[0];
-  for (int64_t i = 0; i < n && !is_nan(m); ++i) m = (is_nan(x[i]) || x[i] > m) ? x[i] : m;
-  return m;
+  AmaxPick m{0.f, -1};
+  for (int64_t i = 0; i < n; ++i) m = amax_pick(m, AmaxPick{x[i], i});
+  return m.v;
 }
 
 // ---------------------------------------------------------------------------------------------
-// amax_history: TransformerEngine's delayed scaling on the loss scale.
+// amax_history: TransformerEngine's delayed scaling on the loss scale (strategies/amax_history.py).
 //
-//   G = amax(grad_absmax);  finite step: history <- history[1:] + [G]
-//   A = most_recent ? history[-1] : amax(history);   target = float32(scaled_max) / A
-//   S <- found ? float(double(S) * backoff) : (A > 0 && target finite ? target : S)
+//   G = amax(grad_absmax);  R = found ? min(float32(format_max) / S, FLT_MAX) : G   (an overflowed
+//   step's amax is unknown, but some scaled gradient passed format_max: R is its lower bound)
+//   history <- history[1:] + [R]   (every step recorded, as TE records each step's amax)
+//   A = most_recent ? R : amax(history);   T = float32(scaled_max) / A
+//   S <- found ? float(double(S) * backoff) : (A finite && A > 0 && T finite ? T : S)
+//
+// The CPU twin rolls and reduces serially; the CUDA kernel (update_kernels.cu) with one block:
+// the roll in tiles (all reads of a tile, a barrier, then its writes) and amax_pick reductions.
 // ---------------------------------------------------------------------------------------------
 struct AmaxHistoryParams {
+  float format_max;  // float32(format_max)
   float scaled_max;  // float32(format_max * 2^-margin), as torch.tensor(scaled_max, float32)
   double backoff_factor;
   bool most_recent;
 };
 
-SCALELAB_HD void amax_history_update(float* scale, float* history, int64_t len, float found_inf, float g,
-                                     const AmaxHistoryParams& p) {
-  const bool found = found_inf > 0.f;
-  if (!found) {
-    for (int64_t i = 0; i + 1 < len; ++i) history[i] = history[i + 1];
-    history[len - 1] = g;
-  }
-  const float amax = p.most_recent ? history[len - 1] : amax_nan(history, len);
+// The step's record R; the bound is at most FLT_MAX (a scale below format_max / FLT_MAX would
+// make it Inf, which a saved state could not hold).
+constexpr float kFloatMax = 3.40282346638528859812e+38f;
+
+SCALELAB_HD float amax_history_record(float s, bool found, float g, const AmaxHistoryParams& p) {
+  const float bound = rn_div(p.format_max, s);
+  return found ? (bound > kFloatMax ? kFloatMax : bound) : g;
+}
+
+// The new scale from the history's amax A.
+SCALELAB_HD float amax_history_scale(float s, bool found, float amax, const AmaxHistoryParams& p) {
+  if (found) return static_cast<float>(static_cast<double>(s) * p.backoff_factor);
   const float target = rn_div(p.scaled_max, amax);
-  const float s = *scale;
-  if (found) {
-    *scale = static_cast<float>(static_cast<double>(s) * p.backoff_factor);
-  } else if (amax > 0.f && is_finite(target)) {
-    *scale = target;
-  }
+  return is_finite(amax) && amax > 0.f && is_finite(target) ? target : s;
 }
 
 struct AmaxHistoryUpdate {
@@ -62,7 +85,12 @@ struct AmaxHistoryUpdate {
   int64_t groups;
   AmaxHistoryParams p;
   SCALELAB_HD void operator()(int64_t) const {
-    amax_history_update(scale, history, len, *found_inf, amax_nan(grad_absmax, groups), p);
+    const float s = *scale;
+    const bool found = overflowed(*found_inf);
+    const float r = amax_history_record(s, found, amax_nan(grad_absmax, groups), p);
+    for (int64_t i = 0; i + 1 < len; ++i) history[i] = history[i + 1];
+    history[len - 1] = r;
+    *scale = amax_history_scale(s, found, p.most_recent ? r : amax_nan(history, len), p);
   }
 };
 
@@ -161,7 +189,7 @@ struct LearnedUpdate {
 
   SCALELAB_HD void operator()(int64_t) const {
     const float s = *scale, G = amax_nan(grad_absmax, groups), u = *underflow;
-    const bool found = *found_inf > 0.f;
+    const bool found = overflowed(*found_inf);
     const bool fed = !found && G > 0.f;
     const float d = rn_sub(rn_add(log2_f(s), log2_f(G)), p.log2_target);
     const float loss = rn_add(rn_mul(d, d), rn_mul(u, p.lam));
@@ -183,7 +211,7 @@ struct LearnedUpdate {
     float next = found ? rn_mul(s, p.backoff_factor) : (fed ? rn_mul(s, exp2_f(-delta)) : up);
     if (!(is_finite(next) && next > 0.f)) next = s;
 
-    const float nan = bits_float(0x7fc00000u);
+    const float nan = bits_float(kTorchNaN);
     *adam_m = found ? 0.f : (fed ? m : *adam_m);
     if (fed) {
       *adam_v = v;
@@ -241,7 +269,7 @@ struct UnderflowTargetUpdate {
     const float s = *scale;
     const float placed = static_cast<float>(static_cast<double>(s) * ldexp(1.0, static_cast<int>(k)));
     const float grown = p.observed ? rn_mul(s, p.growth_factor) : s;
-    float next = *found_inf > 0.f ? rn_mul(s, p.backoff_factor) : (n > 0.0 ? placed : grown);
+    float next = overflowed(*found_inf) ? rn_mul(s, p.backoff_factor) : (n > 0.0 ? placed : grown);
     if (!(is_finite(next) && next > 0.f)) next = s;
     *scale = next;
   }
@@ -277,7 +305,7 @@ struct ToleranceUpdate {
 
   SCALELAB_HD void operator()(int64_t) const {
     const float s = *scale;
-    const bool found = *found_inf > 0.f;
+    const bool found = overflowed(*found_inf);
     const int64_t o = *overflows, o1 = static_cast<int64_t>(static_cast<uint64_t>(o) + 1u);
     const bool back = found && static_cast<double>(o1) / static_cast<double>(*since_rescale) >= p.tolerance;
     float backed = static_cast<float>(static_cast<double>(s) * p.backoff_factor);
@@ -302,7 +330,7 @@ struct ToleranceUpdate {
 // record_step: the end of every strategy's update (strategies/state.py record_step_), one op
 // instead of four small ones per step:
 //   S[g] <- clamp(S[g], min_scale, max_scale) where given (torch clamp_: NaN stays NaN)
-//   skipped <- found_inf > 0;  skipped_steps += skipped;  found_state <- float(skipped)
+//   skipped <- found_inf != 0;  skipped_steps += skipped;  found_state <- float(skipped)
 // One item per scale entry (n = G); item 0 also records the skip.
 // ---------------------------------------------------------------------------------------------
 struct RecordStepParams {
@@ -322,7 +350,7 @@ struct RecordStep {
     if (p.has_max && s > p.max_scale) s = p.max_scale;
     scale[g] = s;
     if (g == 0) {
-      const bool skipped = *found_inf > 0.f;
+      const bool skipped = overflowed(*found_inf);
       *skipped_steps += skipped ? 1 : 0;
       *found_state = skipped ? 1.f : 0.f;
     }

@@ -54,7 +54,7 @@ def _layerwise(rule: str, found: float, cap: bool, bounds: tuple[float | None, f
 
 def _amax_history(found: float, most_recent: bool, L: int) -> tuple[Any, ...]:
     return (torch.tensor(2.0**10), torch.exp2(torch.arange(L, dtype=F32) - 4.0), torch.tensor(found),
-            torch.tensor([0.25, 3.0]), 65504.0 * 2.0**-1, 0.5, most_recent)
+            torch.tensor([0.25, 3.0]), 65504.0, 65504.0 * 2.0**-1, 0.5, most_recent)
 
 
 def _hybrid(probed: bool, scheduled: bool, found: float, zero_jump: float | None) -> tuple[Any, ...]:

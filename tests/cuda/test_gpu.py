@@ -285,7 +285,7 @@ def test_max_ema_kernel_equals_twin_on_cuda(cuda_ops, growth):
 @pytest.mark.parametrize("rule", ["max_ema", "backoff_growth"])
 @pytest.mark.parametrize("cap", [False, True])
 def test_layerwise_update_kernel(cuda_ops, rule, cap):
-    """layerwise_update_kernel (one thread over all groups) against the CPU twin and the Python
+    """layerwise's kernel (one block, a thread per group) against the CPU twin and the Python
     twin, over a trajectory with attributed overflows and groups without gradients."""
     G, gen = 6, torch.Generator().manual_seed(3)
     f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)

@@ -43,27 +43,33 @@ def run_pair(op, twin, state: tuple[torch.Tensor, ...], steps, hyper: tuple) -> 
 
 
 AMAX_CASES = [
-    # history_len, most_recent, scaled_max, backoff, groups
-    (1024, False, 65504.0, 0.5, 1),
-    (16, False, 65504.0 * 2.0**-3, 0.7, 3),
-    (1, False, 448.0, 0.5, 1),
-    (8, True, 57344.0, 0.25, 2),
+    # history_len, most_recent, format_max, margin, backoff, groups
+    (1024, False, 65504.0, 0.0, 0.5, 1),
+    (16, False, 65504.0, 3.0, 0.7, 3),
+    (1, False, 448.0, 0.0, 0.5, 1),
+    (8, True, 57344.0, 1.0, 0.25, 2),
+    (1000, False, 65504.0, 1.0, 0.5, 200),  # a history that is not a multiple of the CUDA block, many groups
 ]
 
 
 def amax_history_trajectory(case):
-    """(state, per-step arguments, hyper-parameters, check of the final state)."""
-    L, recent, scaled_max, backoff, G = case
+    """(state, per-step arguments, hyper-parameters, check of the final state). Overflowed steps
+    record format_max / S; the abs-max spans 2^-40..2^40, so some records are subnormal or
+    non-finite bounds (S far from the gradients) and the scale is kept."""
+    L, recent, format_max, margin, backoff, G = case
     gen = torch.Generator().manual_seed(L + G)
     steps = []
     for _ in range(STEPS):
         absmax = random_absmax(gen, G)
+        if G > 3:  # finite groups and one special one: clean steps stay common
+            absmax = torch.cat([torch.exp2(torch.empty(G - 1).uniform_(-40, 40, generator=gen)), absmax[:1]])
         steps.append((step_found(gen, absmax), absmax))
 
     def check(state):
         assert (state[1] > 0).any() and state[0].item() != 2.0**15, "the history never placed S"
 
-    return (torch.tensor(2.0**15), torch.zeros(L)), steps, (scaled_max, backoff, recent), check
+    hyper = (format_max, format_max * 2.0**-margin, backoff, recent)
+    return (torch.tensor(2.0**15), torch.zeros(L)), steps, hyper, check
 
 
 HYBRID_CASES = [
@@ -201,19 +207,21 @@ def fault_state(op):
 
 
 ADALOSS_CASES = [
-    # underflow rate, layer cap, total cap, backoff, power-of-two bounds
-    (1e-3, 16.0, 1024.0, 0.5, None, None),
-    (1e-2, 8.0, 2.0**16, 0.25, 2.0, 2.0**8),
-    (1e-4, 16.0, 1024.0, 0.5, None, 2.0**9),
+    # underflow rate, layer cap, total cap, backoff, power-of-two bounds, groups
+    (1e-3, 16.0, 1024.0, 0.5, None, None, 5),
+    (1e-2, 8.0, 2.0**16, 0.25, 2.0, 2.0**8, 5),
+    (1e-3, 16.0, 2.0**40, 0.5, None, None, 12),
+    (1e-2, 4.0, 2.0**60, 0.5, 2.0**-20, None, 48),
+    (1e-4, 16.0, 1024.0, 0.5, None, 2.0**9, 200),  # more groups than the CUDA block's threads
 ]
 
 
 def adaloss_trajectory(case):
-    """Five groups (group 2 without weight matrices), the hooks' statistics drawn log-uniformly
+    """G groups (group 2 without weight matrices), the hooks' statistics drawn log-uniformly
     each step (sometimes zero), and 5% skipped steps with the blame scattered over the groups and
     the skipped step's statistics non-finite."""
-    rate, layer_cap, total_cap, backoff, lo, hi = case
-    gen, G = torch.Generator().manual_seed(int(layer_cap) + int(1 / rate)), 5
+    rate, layer_cap, total_cap, backoff, lo, hi, G = case
+    gen = torch.Generator().manual_seed(int(layer_cap) + int(1 / rate) + G)
 
     def u(a, b, n=G):
         return torch.empty(n).uniform_(a, b, generator=gen)
@@ -223,7 +231,7 @@ def adaloss_trajectory(case):
         n = torch.randint(1, 10_000, (G,), generator=gen).float()
         g2 = torch.exp2(u(-70, -8)) * n * (u(0, 1) > 0.1)
         gmax = (g2 / n).sqrt() * u(2, 50) * (u(0, 1) > 0.05)
-        w2, wmax, fan = torch.exp2(u(-14, 0)), torch.ones(G), torch.tensor([512.0, 64.0, 1.0, 16.0, 128.0])
+        w2, fan = torch.exp2(u(-14, 0)), torch.tensor([512.0, 64.0, 1.0, 16.0, 128.0]).repeat(G)[:G]
         wmax = w2.sqrt() * u(2, 8)
         w2[2], wmax[2] = 1.0, 1.0
         found = float(torch.rand((), generator=gen) < 0.05)

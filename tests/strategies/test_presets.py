@@ -43,7 +43,7 @@ PRESETS = {
                                              hysteresis_refill="clean_step", min_scale=1.0, on_min_scale="raise")),
     "fairseq": ("tolerance", dict(init_scale=128.0, growth_interval=2**14, tolerance=0.0, min_scale=1e-4,
                                   on_min_scale="raise")),
-    "te_delayed": ("amax_history", dict(history_len=1024, algo="max", margin=0.0)),
+    "te_delayed": ("amax_history", dict(history_len=1024, algo="max", margin=1.0)),
     "max_ema_capped": ("max_ema", dict(cap_ema_on_overflow=True)),
     "layerwise_capped": ("layerwise", dict(cap_ema_on_overflow=True)),
     "static": ("static", dict(init_scale=1024.0)),
