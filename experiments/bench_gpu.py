@@ -155,7 +155,7 @@ def torch_unscale_supports(dtype: torch.dtype, device: str = "cuda") -> bool:
 def bench_stats_pass(master: list[torch.Tensor], dtype: str, repeats: int, warmup: int,
                      flush: Callable[[], None]) -> dict[str, Any]:
     """Section (i) at one size and dtype: the gradients are ``master`` cast to ``dtype``."""
-    grads = [m.to(DTYPES[dtype]) for m in master]
+    grads = [m.to(DTYPES[dtype], copy=True) for m in master]  # a copy also for fp32: master stays as drawn
     saved = [g.clone() for g in grads]
     inv = torch.tensor(2.0**-16, device=grads[0].device)
     found = torch.zeros((), device=grads[0].device)
