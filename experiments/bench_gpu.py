@@ -1,8 +1,9 @@
 """``scalelab-bench --device cuda``: the GPU section, timed with CUDA events.
 
 (i) **Statistics pass bandwidth** — :func:`strategies.stats.unscale_and_stats` (the fused CUDA
-kernel) against one in-place ``torch._foreach_mul_`` (the floor of any in-place pass: every
-gradient read once and written once), GradScaler's own unscale
+kernel) against one in-place ``torch._foreach_mul_`` by a host scalar (the floor of any in-place
+pass: every gradient read once and written once, in torch's multi-tensor kernel for every dtype; a
+float32 tensor scalar would send float16/bfloat16 lists to one kernel per tensor), GradScaler's own unscale
 ``torch._amp_foreach_non_finite_check_and_unscale_`` (no statistics; torch has no bfloat16 CUDA
 kernel for it, pytorch issue 127176, so that cell reads n/a) and the plain-torch multi-pass
 reference :func:`strategies.stats.unscale_and_stats_reference`, for float16, bfloat16 and float32
@@ -17,7 +18,8 @@ and the rules sync once in ``step`` (the skip decision); the events see that as 
 
 Method (both): each round runs every configuration once, in a shuffled order; before each timed
 call the gradients are restored from a master copy and the L2 cache is flushed (a 256 MiB
-write), outside the timed region; a pair of CUDA events brackets the call alone. ``warmup``
+write), outside the timed region; a pair of CUDA events brackets the call alone, behind a short
+GPU sleep so that they time the device, not the host's launches (:func:`time_rounds`). ``warmup``
 rounds run first (kernel load, allocator, lazy state). Times are medians over the rounds; a
 ratio is the median over rounds of the same round's ratio, so both sides share the round.
 
@@ -51,6 +53,9 @@ QUICK = {"sizes": "1M", "step_sizes": "1M", "repeats": 5, "warmup": 2}
 DEFAULT_DOCS = Path("docs") / "bench.md"
 L2_FLUSH_BYTES = 256 * 2**20
 """Larger than any GPU's L2 (H100: 50 MB, H200: 60 MB, B200: 126 MB)."""
+LEAD_CYCLES = 2_000_000
+"""GPU clock cycles of the sleep queued ahead of each timed call (about 1 ms at 2 GHz): longer
+than the host needs to enqueue the fused pass or a step's kernels before its sync."""
 
 STATS_CALLS = ("fused", "foreach_mul", "torch_unscale", "reference")
 STATS_LABELS = {"fused": "fused pass", "foreach_mul": "`_foreach_mul_`", "torch_unscale": "GradScaler unscale",
@@ -116,7 +121,12 @@ def time_rounds(calls: dict[str, Callable[[], Any]], setup: Callable[[], None], 
                 warmup: int, seed: int = 0) -> dict[str, list[float]]:
     """Milliseconds of each call in each round, from CUDA events around the call alone; every
     round runs each call once in a shuffled order, ``setup()`` before each (outside the events).
-    One synchronisation at the end."""
+
+    A ``torch.cuda._sleep`` of :data:`LEAD_CYCLES` is queued before the start event, so the host
+    has enqueued the call's kernels before the GPU reaches it: the events then time the device
+    work, not the host's launch overhead (as in a training loop, where the host runs ahead of the
+    GPU until a sync). Time after a host sync inside the call (GradScaler's skip decision) is
+    counted: the GPU waits for the host there. One synchronisation at the end."""
     for _ in range(warmup):
         for fn in calls.values():
             setup()
@@ -127,6 +137,7 @@ def time_rounds(calls: dict[str, Callable[[], Any]], setup: Callable[[], None], 
         for k in order.sample(list(calls), len(calls)):
             setup()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(LEAD_CYCLES)
             start.record()
             calls[k]()
             end.record()
@@ -161,7 +172,7 @@ def bench_stats_pass(master: list[torch.Tensor], dtype: str, repeats: int, warmu
     found = torch.zeros((), device=grads[0].device)
     calls: dict[str, Callable[[], Any]] = {
         "fused": lambda: unscale_and_stats(grads, inv),
-        "foreach_mul": lambda: torch._foreach_mul_(grads, inv),
+        "foreach_mul": lambda: torch._foreach_mul_(grads, 2.0**-16),  # a host scalar: the one-kernel path
         "reference": lambda: unscale_and_stats_reference(grads, inv),
     }
     if torch_unscale_supports(DTYPES[dtype]):
@@ -281,14 +292,16 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"{m['gpu_memory_gib']} GiB) |",
         f"| torch | {m['torch']} (CUDA {m['torch_cuda']}), Python {m['python']}, {m['machine']} host |",
         f"| fused kernel | {'the CUDA op' if kernel else 'NOT built: the fused column ran the plain-torch fallback'} |",
-        f"| timing | CUDA events around each call; median of {m['repeats']} rounds after {m['warmup']} warm-up "
-        "rounds, configurations in a shuffled order each round; gradients restored and a 256 MiB L2 flush "
-        "before every call, outside the events |",
+        f"| timing | CUDA events around each call, queued behind a ~1 ms GPU sleep (the host has launched the "
+        f"call's kernels before the GPU reaches them); median of {m['repeats']} rounds after {m['warmup']} "
+        "warm-up rounds, configurations in a shuffled order each round; gradients restored and a 256 MiB L2 "
+        "flush before every call, outside the events |",
         "",
         "## (i) Statistics pass: bandwidth",
         "",
         "GB/s = 2 x parameters x bytes per element / median time (one read and one write of every gradient; "
-        "the reference's extra passes show as a lower effective bandwidth). The gradients are split into "
+        "the reference's extra passes, and its host time to launch its many small kernels, show as a lower "
+        "effective bandwidth). `_foreach_mul_` multiplies by a host scalar. The gradients are split into "
         f"{result['stats_pass'][0]['tensors'] if result['stats_pass'] else '-'} tensors and unscaled by 2^-16. "
         "Ratios are time ratios, the median over rounds of the same round's ratio: below 1 the fused pass "
         "is faster. GradScaler's unscale has no bfloat16 CUDA kernel in torch (n/a).",
@@ -299,7 +312,9 @@ def format_markdown(result: dict[str, Any]) -> str:
         "",
         "scale + unscale_ + step + update with a no-op optimizer on float32 gradients: median ms and, "
         "after the slash, the median over rounds of the ratio to GradScaler in the same round. `none` is "
-        "no scaling (the loss as is and the optimizer step).",
+        "no scaling (the loss as is and the optimizer step). The step's host sync (the skip decision) is "
+        "inside the timed region. A rule at scale 1 only reads the gradients (the pass skips the write): "
+        "`layerwise_adaloss` starts there (AdaLoss's initial scale), the others at 2^10 to 2^16.",
         "",
         format_steps_table(result["overhead"]),
         "",
