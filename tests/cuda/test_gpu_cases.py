@@ -221,13 +221,9 @@ def garbage_(args: tuple) -> None:
         t.fill_(-7.0 if t.is_floating_point() else 77)
 
 
-@pytest.mark.parametrize("op_name,case", OP_CASES)
-def test_op_runs_on_the_current_stream(cuda_ops, op_name, case):
-    """Inputs written on a side stream after a ~30 ms ``_sleep``, then the op on that stream: it
-    sees them only if it is enqueued on the current stream (not the default one)."""
-    make = SAMPLES[op_name][case]
-    eager = to_device(make())
-    want = snapshot(eager, call(op_name, eager))
+def inputs_after_sleep(make: Callable[[], tuple]) -> tuple[tuple, torch.cuda.Stream]:
+    """An argument list on CUDA holding garbage, and a new side stream on which a ~30 ms
+    ``_sleep`` and then the copies of the real values into it are queued (not yet run)."""
     src, dst = to_device(make()), to_device(make())
     garbage_(dst)
     torch.cuda.synchronize()
@@ -236,6 +232,18 @@ def test_op_runs_on_the_current_stream(cuda_ops, op_name, case):
         torch.cuda._sleep(SLEEP_CYCLES)
         for d, s in zip(tensors_of(dst), tensors_of(src)):
             d.copy_(s)
+    return dst, side
+
+
+@pytest.mark.parametrize("op_name,case", OP_CASES)
+def test_op_runs_on_the_current_stream(cuda_ops, op_name, case):
+    """The op called on the side stream whose queued work writes its inputs: it sees them only if
+    it is enqueued on the current stream (not the default one)."""
+    make = SAMPLES[op_name][case]
+    eager = to_device(make())
+    want = snapshot(eager, call(op_name, eager))
+    dst, side = inputs_after_sleep(make)
+    with torch.cuda.stream(side):
         out = call(op_name, dst)
     torch.cuda.current_stream().wait_stream(side)
     assert_snapshots_equal(snapshot(dst, out), want, f"{op_name} on a side stream")
@@ -247,14 +255,7 @@ def test_stream_check_would_catch_a_wrong_stream(cuda_ops):
     make = SAMPLES["native_update_"][1]
     eager = to_device(make())
     want = snapshot(eager, call("native_update_", eager))
-    src, dst = to_device(make()), to_device(make())
-    garbage_(dst)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for d, s in zip(tensors_of(dst), tensors_of(src)):
-            d.copy_(s)
+    dst, _ = inputs_after_sleep(make)
     call("native_update_", dst)  # current (default) stream: not ordered after the side stream
     torch.cuda.synchronize()
     with pytest.raises(AssertionError):
