@@ -22,16 +22,24 @@ Everything is measured side by side in one process: each repeat runs every confi
 the timed region before every timed call (so repeated unscaling never drifts into subnormals),
 and the table reports medians over the repeats; each ratio is the median of per-round ratios (rounds in a shuffled order). Results go to ``--out`` (JSON).
 
+``--device cuda`` runs the GPU section instead (:mod:`experiments.bench_gpu`: the statistics
+pass's GB/s against ``_foreach_mul_`` and GradScaler's unscale for fp16/bf16/fp32, and every
+rule's full step against ``torch.amp.GradScaler("cuda")``, timed with CUDA events) and writes
+the generated page ``docs/bench.md`` (``--write-docs PATH``, ``--no-docs``). The default stays
+``cpu``, so a plain run means the same thing on every machine.
+
 Example::
 
     scalelab-bench                         # sizes 1M,10M,50M, 7 repeats
     scalelab-bench --quick                 # 1M only, 3 repeats: a smoke run
     scalelab-bench --sizes 50M --repeats 11 --out bench50m.json
+    scalelab-bench --device cuda           # GPU: 10M,30M,100M x fp16,bf16,fp32; steps at 10M,100M
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,67 +49,26 @@ import sys
 import time
 import warnings
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 import strategies
-from experiments import bench_extra
-from experiments.bench_extra import VARIANTS, NoOpOptimizer, make_scaler, paired_ratio
+from experiments import bench_extra, bench_gpu
+from experiments.bench_extra import (VARIANTS, NoOpOptimizer, human, make_params, make_scaler, paired_ratio,
+                                     parse_size, restore, scaling_step)
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
 DEFAULT_SIZES = "1M,10M,50M"
-SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
-
-
-def parse_size(text: str) -> int:
-    """``"50M"`` -> 50_000_000; plain integers accepted."""
-    t = text.strip().upper()
-    try:
-        if t and t[-1] in SUFFIX:
-            value = int(float(t[:-1]) * SUFFIX[t[-1]])
-        else:
-            value = int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"sizes must look like 1M, 250K or 1000000, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
-    return value
-
-
-def make_params(numel: int, tensors: int, seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
-    """``tensors`` parameters holding ``numel`` elements in all, with gradients ~ N(0, 1e-3)
-    scaled by 2^16 (as a backward of a scaled loss would produce), plus a master copy of them."""
-    gen = torch.Generator().manual_seed(seed)
-    sizes = [numel // tensors + (1 if k < numel % tensors else 0) for k in range(tensors)]
-    params, master = [], []
-    for n in sizes:
-        p = torch.nn.Parameter(torch.zeros(n))
-        g = torch.randn(n, generator=gen) * (1e-3 * 2.0**16)
-        p.grad = g.clone()
-        params.append(p)
-        master.append(g)
-    return params, master
-
-
-def restore(params: list[torch.nn.Parameter], master: list[torch.Tensor]) -> None:
-    torch._foreach_copy_([p.grad for p in params], master)
-
-
 def step_timer(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], float]:
-    """One timed training-step's worth of scaling calls; returns seconds."""
+    """One timed training-step's worth of scaling calls (:func:`bench_extra.scaling_step`);
+    returns seconds."""
+    step = scaling_step(scaler, opt, loss)
 
     def run() -> float:
         t0 = time.perf_counter()
-        if scaler is None:  # no scaling: the loss is used as is and the optimizer steps
-            _ = loss * 1.0
-            opt.step()
-        else:
-            _ = scaler.scale(loss)
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
+        step()
         return time.perf_counter() - t0
 
     return run
@@ -176,13 +143,6 @@ def bench_stats_pass(numel: int, tensors: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def human(n: int) -> str:
-    for suffix, f in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= f and n % (f // 10) == 0:
-            return f"{n / f:g}{suffix}"
-    return str(n)
-
-
 def format_tables(overhead: list[dict[str, Any]], stats_rows: list[dict[str, Any]], names: list[str]) -> str:
     lines = ["(a) per-step scaling overhead: scale + unscale_ + step + update (no-op optimizer),",
              "    median ms; in brackets: median over rounds of the ratio to torch.amp.GradScaler in the same round", ""]
@@ -227,57 +187,92 @@ def machine_info() -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scalelab-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default=None, help=f"comma-separated parameter counts (default {DEFAULT_SIZES})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default: sections a-d) or cuda (experiments.bench_gpu: statistics-pass GB/s and "
+                        "full steps vs GradScaler, CUDA events, writes a Markdown page)")
+    p.add_argument("--sizes", default=None,
+                   help=f"comma-separated parameter counts (default {DEFAULT_SIZES}; cuda: the statistics pass, "
+                        f"default {bench_gpu.DEFAULT_STATS_SIZES})")
     p.add_argument("--tensors", type=int, default=50, help="gradient tensors the parameters are split into (50)")
-    p.add_argument("--repeats", type=int, default=None, help="repeats per configuration; medians reported (7)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per repeat in (a), median taken (3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"repeats per configuration; medians reported (7; cuda: {bench_gpu.DEFAULT_REPEATS})")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per repeat in (a), median taken (3; cpu only)")
     p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: all registered)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="sizes 1M and 3 repeats unless given: a smoke run")
     p.add_argument("--out", default="bench.json", help="JSON output path (bench.json)")
+    gpu = p.add_argument_group("--device cuda only")
+    gpu.add_argument("--step-sizes", default=None,
+                     help=f"parameter counts of the full-step comparison (default {bench_gpu.DEFAULT_STEP_SIZES})")
+    gpu.add_argument("--dtypes", default=None, help=f"statistics-pass gradient dtypes (default {bench_gpu.DEFAULT_DTYPES})")
+    gpu.add_argument("--warmup", type=int, default=None, help=f"warm-up rounds ({bench_gpu.DEFAULT_WARMUP})")
+    gpu.add_argument("--write-docs", default=None, metavar="PATH",
+                     help=f"the generated Markdown page (default {bench_gpu.DEFAULT_DOCS})")
+    gpu.add_argument("--no-docs", action="store_true", help="write no Markdown page")
     return p
 
 
+GPU_ONLY = ("step_sizes", "dtypes", "warmup", "write_docs", "no_docs")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The warnings a timing run expects, silenced: probe rules run without a reference closure,
+    and underflow_target unattached (the step is timed alone)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"\w+: no reference closure")
+        warnings.filterwarnings("ignore", message=r"underflow_target: not attached")
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    sizes_text = args.sizes or ("1M" if args.quick else DEFAULT_SIZES)
-    try:
-        sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
-    except argparse.ArgumentTypeError as exc:
-        build_parser().error(str(exc))
-    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
-    for field, value in (("repeats", repeats), ("steps", args.steps), ("tensors", args.tensors)):
-        if value < 1:
-            build_parser().error(f"--{field} must be >= 1, got {value}")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    for field in ("tensors", "steps"):
+        if getattr(args, field) is not None and getattr(args, field) < 1:
+            parser.error(f"--{field} must be >= 1, got {getattr(args, field)}")
     if args.threads is not None:
         if args.threads < 1:
-            build_parser().error(f"--threads must be >= 1, got {args.threads}")
+            parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     registered = strategies.available()
     chosen = registered if args.strategies is None else [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in registered]
     if unknown:
-        build_parser().error(f"--strategies: unknown {unknown}; available: {registered}")
+        parser.error(f"--strategies: unknown {unknown}; available: {registered}")
     names = ["none", "GradScaler", *chosen, *(v for v, (base, _) in VARIANTS.items() if base in chosen)]
+    if args.device == "cuda":
+        return _main_cuda(parser, args, names, argv_used)
+    given = [f"--{f.replace('_', '-')}" for f in GPU_ONLY if getattr(args, f) not in (None, False)]
+    if given:
+        parser.error(f"{', '.join(given)}: only with --device cuda")
+    sizes_text = args.sizes or ("1M" if args.quick else DEFAULT_SIZES)
+    try:
+        sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {repeats}")
+    steps = args.steps if args.steps is not None else 3
 
     kernels.load()  # build/load before timing anything
     load_before = machine_info().get("loadavg_1_5_15")
     overhead: list[dict[str, Any]] = []
     stats_rows: list[dict[str, Any]] = []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"\w+: no reference closure")  # probe rules run without one here
-        warnings.filterwarnings("ignore", message=r"underflow_target: not attached")  # (a) and (d) time the step alone
+    with _quiet():
         for size in sizes:
             tensors = min(args.tensors, size)
             print(f"measuring {human(size)} parameters in {tensors} tensors ...", file=sys.stderr, flush=True)
-            overhead += bench_overhead(size, tensors, names, repeats, args.steps)
+            overhead += bench_overhead(size, tensors, names, repeats, steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
         print("measuring hooks and fused AdamW ...", file=sys.stderr, flush=True)
         hook_rows = bench_extra.bench_hooks(repeats)
         fused_size = sizes[-1]
         fused_rows = bench_extra.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
-    meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": args.steps,
-            "argv": sys.argv[1:] if argv is None else argv}
+    meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": steps,
+            "argv": argv_used}
     result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "fused_adamw": fused_rows}
     print(format_tables(overhead, stats_rows, names))
     print("\n" + bench_extra.format_hooks(hook_rows) + "\n\n" + bench_extra.format_fused(fused_rows, human(fused_size)))
@@ -285,10 +280,39 @@ def main(argv: list[str] | None = None) -> int:
     if la:
         print(f"\nload average (1/5/15 min) before: {load_before}, after: {[round(x, 2) for x in la]}; "
               f"{meta['cpu_count']} CPUs, torch threads {meta['torch_threads']}, CPU capability {meta['cpu_capability']}")
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    _write_json(result, args.out)
     return 0
+
+
+def _main_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str],
+               argv_used: list[str]) -> int:
+    """``--device cuda``: :mod:`experiments.bench_gpu`, its tables printed, JSON and the page written."""
+    if not torch.cuda.is_available():
+        parser.error(f"--device cuda: CUDA is not available (torch {torch.__version__}, "
+                     f"built with CUDA {torch.version.cuda})")
+    if args.steps is not None:
+        parser.error("--steps: only with --device cpu (a GPU round times one step per configuration)")
+    try:
+        opts = bench_gpu.gpu_options(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    kernels.load()  # build/load before timing anything
+    with _quiet():
+        result = bench_gpu.run(opts, args.tensors, names, lambda s: print(s, file=sys.stderr, flush=True))
+    result["meta"] = {**machine_info(), **bench_gpu.gpu_info(), "repeats": opts.repeats, "warmup": opts.warmup,
+                      "argv": argv_used}
+    print(bench_gpu.format_markdown(result))
+    _write_json(result, args.out)
+    if opts.docs is not None:
+        bench_gpu.write_page(result, opts.docs)
+        print(f"wrote {opts.docs}", file=sys.stderr)
+    return 0
+
+
+def _write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``scalelab-bench`` sections (c) and (d): what attaching costs the attach-based rules per training
 step, and what a fused optimizer saves by unscaling in its own kernel; and the pieces every section
-shares (the scalers, a no-op optimizer, paired shuffled rounds).
+(CPU and GPU, :mod:`experiments.bench_gpu`) shares: sizes, the benchmark gradients, the scalers and
+their step, a no-op optimizer, paired shuffled rounds.
 
 (c) **Attach cost per step** — forward + scaled backward + unscale_/step/update of a fixed MLP
 (8 x 512-wide layers, batch 256), with the strategy attached (its layer-boundary transforms run,
@@ -16,16 +17,65 @@ optimizer unscales in its kernel; the strategy only reads the gradients for its 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import random
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 import strategies
+
+SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """``"50M"`` -> 50_000_000; plain integers accepted."""
+    t = text.strip().upper()
+    try:
+        if t and t[-1] in SUFFIX:
+            value = int(float(t[:-1]) * SUFFIX[t[-1]])
+        else:
+            value = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes must look like 1M, 250K or 1000000, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return value
+
+
+def make_params(numel: int, tensors: int, seed: int = 0,
+                device: str = "cpu") -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """``tensors`` float32 parameters on ``device`` holding ``numel`` elements in all, with
+    gradients ~ N(0, 1e-3) scaled by 2^16 (as a backward of a scaled loss would produce), plus a
+    master copy of them (the same values on every device: drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [numel // tensors + (1 if k < numel % tensors else 0) for k in range(tensors)]
+    params, master = [], []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.zeros(n, device=device))
+        g = (torch.randn(n, generator=gen) * (1e-3 * 2.0**16)).to(device)
+        p.grad = g.clone()
+        params.append(p)
+        master.append(g)
+    return params, master
+
+
+def restore(params: list[torch.nn.Parameter], master: list[torch.Tensor]) -> None:
+    """Gradients back to the master copy (repeated unscaling must not drift into subnormals)."""
+    torch._foreach_copy_([p.grad for p in params], master)
+
+
+def human(n: int) -> str:
+    """50_000_000 -> ``"50M"`` (exact multiples of a tenth of K/M/G), else the digits."""
+    for suffix, f in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= f and n % (f // 10) == 0:
+            return f"{n / f:g}{suffix}"
+    return str(n)
+
 
 HOOKED = {"layerwise": {}, "layerwise_adaloss": {"rule": "adaloss", "init_scale": 1.0}, "underflow_target": {}}
 VARIANTS = {"layerwise_adaloss": ("layerwise", HOOKED["layerwise_adaloss"])}
@@ -33,16 +83,34 @@ VARIANTS = {"layerwise_adaloss": ("layerwise", HOOKED["layerwise_adaloss"])}
 in (a) beside the registered ones."""
 
 
-def make_scaler(name: str) -> Any:
-    """``None`` for "none", torch's GradScaler, a :data:`VARIANTS` entry or a registered strategy."""
+def make_scaler(name: str, device: str = "cpu") -> Any:
+    """``None`` for "none", torch's GradScaler, a :data:`VARIANTS` entry or a registered strategy,
+    on ``device``."""
     if name == "none":
         return None
     if name == "GradScaler":
-        return torch.amp.GradScaler("cpu")
+        return torch.amp.GradScaler(device)
     if name in VARIANTS:
         base, kw = VARIANTS[name]
-        return strategies.create(base, device="cpu", **kw)
-    return strategies.create(name, device="cpu")
+        return strategies.create(base, device=device, **kw)
+    return strategies.create(name, device=device)
+
+
+def scaling_step(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], None]:
+    """One training step's scaling calls — ``scale(loss)``, ``unscale_``, ``step``, ``update`` —
+    or, for ``scaler=None`` (no scaling), the loss used as is and ``opt.step()``."""
+
+    def run() -> None:
+        if scaler is None:
+            _ = loss * 1.0
+            opt.step()
+        else:
+            _ = scaler.scale(loss)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+
+    return run
 
 
 class NoOpOptimizer(torch.optim.Optimizer):

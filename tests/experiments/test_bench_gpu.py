@@ -1,0 +1,163 @@
+"""``scalelab-bench --device cuda`` (experiments/bench_gpu.py): its options, bandwidth arithmetic
+and generated page on any machine; one end-to-end smoke run on a GPU (marked ``gpu``). No timing
+assertions: the tests check structure and arithmetic, never how fast anything ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import bench, bench_gpu
+
+
+def options(*argv: str) -> bench_gpu.GpuOptions:
+    return bench_gpu.gpu_options(bench.build_parser().parse_args(["--device", "cuda", *argv]))
+
+
+def test_gpu_defaults():
+    o = options()
+    assert o.stats_sizes == [10_000_000, 30_000_000, 100_000_000]
+    assert o.step_sizes == [10_000_000, 100_000_000]
+    assert o.dtypes == ["fp16", "bf16", "fp32"]
+    assert (o.repeats, o.warmup, o.docs) == (50, 5, Path("docs/bench.md"))
+    q = options("--quick")
+    assert (q.stats_sizes, q.step_sizes, q.repeats, q.warmup) == ([1_000_000], [1_000_000], 5, 2)
+
+
+def test_gpu_options_given():
+    o = options("--sizes", "2M,250K", "--step-sizes", "3M", "--dtypes", "bf16", "--repeats", "9", "--warmup", "0",
+                "--write-docs", "out/page.md")
+    assert (o.stats_sizes, o.step_sizes, o.dtypes) == ([2_000_000, 250_000], [3_000_000], ["bf16"])
+    assert (o.repeats, o.warmup, o.docs) == (9, 0, Path("out/page.md"))
+    assert options("--no-docs").docs is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dtypes", "fp8"], r"--dtypes must be a comma-separated subset of fp16, bf16, fp32, got 'fp8'"),
+    (["--dtypes", ","], r"--dtypes must be"),
+    (["--step-sizes", "0"], r"--step-sizes: sizes must be >= 1"),
+    (["--sizes", "lots"], r"--sizes: sizes must look like 1M"),
+    (["--repeats", "0"], r"--repeats must be >= 1, got 0"),
+    (["--warmup", "-1"], r"--warmup must be >= 0, got -1"),
+])
+def test_gpu_options_reject(argv, message):
+    with pytest.raises(ValueError, match=message):
+        options(*argv)
+
+
+@pytest.mark.parametrize("flag", [["--dtypes", "fp16"], ["--step-sizes", "1M"], ["--warmup", "1"],
+                                  ["--write-docs", "x.md"], ["--no-docs"]])
+def test_gpu_flags_refused_on_cpu(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit):
+        bench.main([*flag, "--out", str(tmp_path / "x.json")])
+    assert "only with --device cuda" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_cuda_without_cuda_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--out", str(tmp_path / "x.json")])
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+def test_steps_refused_on_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--steps", "2", "--out", str(tmp_path / "x.json")])
+    assert "--steps: only with --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype,want", [("fp32", 800.0), ("fp16", 400.0), ("bf16", 400.0)])
+def test_gbps_counts_one_read_and_one_write(dtype, want):
+    # 10M elements read and written in 0.1 ms
+    assert bench_gpu.gbps(10_000_000, dtype, 0.1) == pytest.approx(want)
+
+
+def stats_row(dtype: str, size: int, ms: dict[str, float | None]) -> dict:
+    """A section (i) row as bench_stats_pass writes it, from made-up times."""
+    row = {"size": size, "tensors": 50, "dtype": dtype, "fused_is_kernel": True}
+    for k in bench_gpu.STATS_CALLS:
+        row[f"{k}_ms"] = ms[k]
+        row[f"{k}_gbps"] = None if ms[k] is None else bench_gpu.gbps(size, dtype, ms[k])
+    row["fused_over_foreach_mul"] = ms["fused"] / ms["foreach_mul"]
+    row["fused_over_torch_unscale"] = None if ms["torch_unscale"] is None else ms["fused"] / ms["torch_unscale"]
+    row["reference_over_fused"] = ms["reference"] / ms["fused"]
+    return row
+
+
+def made_up_result() -> dict:
+    stats_rows = [stats_row("fp32", 10_000_000, {"fused": 0.04, "foreach_mul": 0.032, "torch_unscale": 0.05,
+                                                 "reference": 0.4}),
+                  stats_row("bf16", 10_000_000, {"fused": 0.025, "foreach_mul": 0.02, "torch_unscale": None,
+                                                 "reference": 0.5})]
+    steps = [{"size": s, "tensors": 50, "name": n, "device": "cuda", "median_ms": ms * s / 1e7,
+              "ratio_vs_gradscaler": r, "samples_ms": [ms]}
+             for s in (10_000_000, 100_000_000)
+             for n, ms, r in (("none", 0.01, 0.02), ("GradScaler", 0.5, 1.0), ("max_ema", 0.6, 1.2))]
+    meta = {"date_utc": "2026-11-24T14:00:00+00:00", "argv": ["--device", "cuda", "--repeats", "7"],
+            "gpu": "Made-up GPU", "compute_capability": "9.0", "sm_count": 132, "gpu_memory_gib": 79.2,
+            "torch": "2.11.0", "torch_cuda": "13.0", "python": "3.12.3", "machine": "x86_64",
+            "repeats": 7, "warmup": 2}
+    return {"meta": meta, "stats_pass": stats_rows, "overhead": steps}
+
+
+def test_page_says_what_ran_where_and_holds_every_row():
+    page = bench_gpu.format_markdown(made_up_result())
+    assert "Generated 2026-11-24T14:00:00+00:00 by `scalelab-bench --device cuda --repeats 7`" in page
+    assert "Made-up GPU (compute capability 9.0, 132 SMs, 79.2 GiB)" in page
+    assert "2.11.0 (CUDA 13.0), Python 3.12.3" in page and "median of 7 rounds after 2 warm-up" in page
+    # 10M fp32 read + written: 80 MB in 0.04 ms = 2,000 GB/s; fused/mul = 0.04/0.032
+    assert "| fp32 | 10M | 2,000 (0.040 ms) | 2,500 (0.032 ms) | 1,600 (0.050 ms) | 200 (0.400 ms) | 1.25x | 0.80x | 10.00x |" in page
+    assert "| bf16 | 10M | 1,600 (0.025 ms) | 2,000 (0.020 ms) | n/a | 80 (0.500 ms) | 1.25x | n/a | 20.00x |" in page
+    assert "| 10M: ms / vs GradScaler | 100M: ms / vs GradScaler |" in page
+    assert "| max_ema | 0.600 / 1.20x | 6.000 / 1.20x |" in page
+    for table in ("| dtype |", "| rule |"):
+        block = page[page.index(table):].split("\n\n")[0].splitlines()
+        assert len({line.count("|") for line in block}) == 1, "ragged Markdown table"
+
+
+def test_page_flags_a_missing_kernel():
+    result = made_up_result()
+    result["stats_pass"][0]["fused_is_kernel"] = False
+    assert "NOT built: the fused column ran the plain-torch fallback" in bench_gpu.format_markdown(result)
+
+
+def test_write_page_creates_its_folder(tmp_path):
+    path = tmp_path / "docs" / "bench.md"
+    bench_gpu.write_page(made_up_result(), path)
+    assert path.read_text(encoding="utf-8") == bench_gpu.format_markdown(made_up_result())
+
+
+def test_step_rows_feed_the_report(tmp_path):
+    """The GPU JSON's ``overhead`` rows are the CPU bench's shape: scalelab-report --bench reads them."""
+    reader = pytest.importorskip("analysis.bench")  # pandas: absent on a bare GPU box
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(made_up_result()))
+    table, note = reader.load_bench(path)
+    assert note is None and set(table["name"]) == {"none", "GradScaler", "max_ema"}
+    assert table.loc[table["name"] == "max_ema", "ratio_vs_gradscaler"].tolist() == [1.2, 1.2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_bench_smoke(tmp_path):
+    out, page = tmp_path / "b.json", tmp_path / "docs" / "bench.md"
+    assert bench.main(["--device", "cuda", "--sizes", "200K", "--step-sizes", "100K,200K", "--repeats", "3",
+                       "--warmup", "1", "--tensors", "4", "--strategies", "native,max_ema,layerwise",
+                       "--out", str(out), "--write-docs", str(page)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["dtype"] for r in data["stats_pass"]] == ["fp16", "bf16", "fp32"]
+    for r in data["stats_pass"]:
+        assert r["fused_is_kernel"] and r["size"] == 200_000
+        assert all(r[f"{k}_gbps"] > 0 for k in ("fused", "foreach_mul", "reference"))
+        assert (r["torch_unscale_ms"] is None) == (not bench_gpu.torch_unscale_supports(bench_gpu.DTYPES[r["dtype"]]))
+        assert all(len(v) == 3 for v in r["samples_ms"].values())
+    names = {"none", "GradScaler", "native", "max_ema", "layerwise", "layerwise_adaloss"}
+    assert {(r["name"], r["size"]) for r in data["overhead"]} == {(n, s) for n in names for s in (100_000, 200_000)}
+    assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in data["overhead"] if r["name"] == "GradScaler")
+    assert data["meta"]["device"] == "cuda" and data["meta"]["gpu"]
+    assert page.read_text(encoding="utf-8") == bench_gpu.format_markdown(data)
