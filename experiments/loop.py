@@ -158,7 +158,7 @@ def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overr
         names = run_labels(cfg, choices)
         parts = _build(cfg, run_cfg, info, precision, state, rundir.path)
         rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, state)
-        rec.open(cfg.logger, state)
+        rec.open(cfg.logger)
         return _train(run_cfg, parts, rec, info, precision, names)
     finally:
         torch.use_deterministic_algorithms(prev_det)
@@ -263,8 +263,9 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo,
             optimizer.zero_grad(set_to_none=True)
             step_time = time.perf_counter() - t0
             if probed is not None:  # kept out of step time and strategy overhead
-                step_time -= fidelity.seconds(probed)
-                rec.fidelity(step, probed, fidelity.seconds(probed))
+                seconds = fidelity.seconds(probed)
+                step_time -= seconds
+                rec.fidelity(step, probed, seconds)
             skipped = not clock.ran
             rec.count(step, loss, skipped, step_time, t_strat)
 
@@ -317,7 +318,8 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo,
         hooks.remove()
         if callable(getattr(strategy, "detach", None)):
             strategy.detach()
-        # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises).
+        # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises); ``diag`` is
+        # its verdict (or None), for the summary made just below from ``status, error``.
         diag = diagnosis.diagnose_run(rec.rundir.path, raw_model, _loss_fn, batch, precision, strategy, parts.lr_for,
                                       step, status, error) if info.is_main else None
         summary = rec.summary(status, error)

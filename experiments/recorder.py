@@ -72,7 +72,7 @@ class Recorder:
         self.fingerprint = records.fingerprint(resolved, overrides, str(device))
         self.counters: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "consecutive_skips": 0, "timed_steps": 0,
                                          "step_time_sum": 0.0, "strategy_time_sum": 0.0}
-        self.start_step = 0
+        self.start_step, self.resumed = 0, state is not None
         if state is not None:
             self.counters.update(state["counters"])
             self.start_step = int(state["step"])
@@ -81,13 +81,13 @@ class Recorder:
         self.writer = records.MetricsWriter(None)
         self.loggers: list = []
 
-    def open(self, logger_cfg: DictConfig, state: dict | None) -> None:
+    def open(self, logger_cfg: DictConfig) -> None:
         """Rank 0: set the directory up for this start or resume, start the loggers, write the
         ``running`` summary and open ``metrics.jsonl``."""
         if not self.main:
             return
         out_dir, names = self.rundir.path, self.names
-        if state is None and self.rundir.has_record():  # nothing a new start would overwrite is lost
+        if not self.resumed and self.rundir.has_record():  # nothing a new start would overwrite is lost
             why = "train.resume=false" if not self.run.train.resume else "no checkpoint to resume from"
             say(f"{why}: {out_dir} starts at step 0; its earlier records are now in {self.rundir.move_aside()}")
         later, malformed = records.truncate_metrics(self.metrics_path, self.start_step)
