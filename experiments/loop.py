@@ -1,6 +1,9 @@
-"""The training loop: one function, :func:`run`, from a composed config to a finished run directory.
+"""The training loop: :func:`run`, from a composed config to a finished run directory.
 
-Per step (nanoGPT-style plain code, the GradScaler recipe of seed 001/002):
+Shape (karpathy/nanoGPT ``train.py``): a typed config (:class:`experiments.config.RunConfig`), the
+objects it builds (:class:`Parts`), one function :func:`_train` whose body is the whole step, and a
+recorder (:class:`experiments.recorder.Recorder`) that owns the run record, the loggers, the
+counters and the checkpoints. Per step (the GradScaler recipe of seed 001/002):
 
 1. batch for ``(seed, step)``; forward under the precision's autocast; ``loss`` (reported);
 2. ``strategy.scale(loss * m)`` then ``backward()``, where ``m = regime.loss_multiplier`` (times
@@ -12,14 +15,13 @@ Per step (nanoGPT-style plain code, the GradScaler recipe of seed 001/002):
 4. optional clipping, ``strategy.step(optimizer)`` (skips on non-finite gradients),
    ``strategy.update()``.
 
-Telemetry (strategy tensors, per-layer activation-gradient statistics) is read from the device only
-on logging steps (every ``train.log_every``) and flattened generically
-(``experiments/telemetry.py``). A divergence, a collapsed scale or a forward overflow stops the run
-as ``diverged`` or ``stalled``; an exception ends it as ``failed`` (``requeued`` when submitit
-requeues the job), then re-raised (``experiments/stops.py``). Checkpoints every
+Telemetry is read from the device only on logging steps (every ``train.log_every``). A divergence,
+a collapsed scale or a forward overflow stops the run as ``diverged`` or ``stalled``; an exception
+ends it as ``failed`` (``requeued`` when submitit requeues the job, ``experiments/preemption.py``),
+then re-raised (``experiments/stops.py``). A stalled or diverged run is diagnosed by the doctor
+(``experiments/diagnosis.py``) before the final summary is written. Checkpoints every
 ``train.checkpoint_every`` steps and at the end; re-running in the same directory with the same
-configuration resumes from the checkpoint (``experiments/rundir.py`` says what a run directory
-guarantees). Records go through ``experiments/records.py``, mirrors through the configured loggers.
+configuration resumes from the checkpoint (``experiments/rundir.py``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,24 +42,16 @@ from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
 from experiments import diagnosis, distributed as dist, fidelity, preemption, recipe, records, schema, stops, telemetry
-from experiments.build import (
-    AppError,
-    ConfigError,
-    one_line,
-    build_data,
-    build_model,
-    build_optimizer,
-    build_precision,
-    build_strategy,
-    run_labels,
-    validate,
-)
+from experiments.build import AppError, ConfigError, one_line, build_data, build_model, build_optimizer, build_precision
+from experiments.build import build_strategy, run_labels
+from experiments.config import RunConfig
 from experiments.data import step_generator
-from experiments.loggers import RunInfo, instantiate_loggers
 from experiments.precision import BoundaryHooks
+from experiments.recorder import Recorder, say
 from experiments.rundir import RunDir
 
-__all__ = ["run"]
+__all__ = ["run", "Parts", "BatchLoss"]
+
 
 def _loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position (LM) or example (classifier), in fp32."""
@@ -82,8 +77,37 @@ def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.d
     return {"eval_loss": eval_loss, "eval_metric": metric}
 
 
-def _say(message: str) -> None:
-    print(f"scalelab-train: {message}", file=sys.stderr)
+class BatchLoss:
+    """``loss_fn(model(x), y) * m`` of the current step's ``batch = {"x", "y", "m"}``: the loss the
+    scaled backward differentiates, for the fidelity probe; with ``hooks``, computed with the
+    boundary hooks off (no autocast, no fp8): the fp32 reference a strategy such as norm-ratio
+    compares with (``strategy.set_reference``)."""
+
+    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], hooks: BoundaryHooks | None = None) -> None:
+        self.model, self.batch, self.hooks = model, batch, hooks
+
+    def __call__(self) -> torch.Tensor:
+        if self.hooks is None:
+            return _loss_fn(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
+        with self.hooks.disabled():
+            return _loss_fn(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
+
+
+@dataclass
+class Parts:
+    """What a run trains with. ``model`` is ``raw_model`` wrapped for DDP (the same object on one
+    process); ``batch`` is the current step's inputs, targets and loss multiplier."""
+
+    data: Any
+    raw_model: torch.nn.Module
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    strategy: Any
+    hooks: BoundaryHooks
+    clock: telemetry.OptimizerClock
+    lr_for: Callable[[int], float]
+    batch: dict[str, Any]
 
 
 def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), choices: dict | None = None) -> dict:
@@ -95,10 +119,10 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
         AppError: an unusable checkpoint, or a directory another process is writing.
         Exception: whatever training raised, after recording ``status: failed``.
     """
-    validate(cfg)
+    run_cfg = RunConfig.from_hydra(cfg)
     precision = build_precision(cfg)
     try:
-        info = dist.setup(device=str(cfg.device))
+        info = dist.setup(device=run_cfg.device)
     except ValueError as exc:
         raise ConfigError(one_line(exc)) from None
     try:
@@ -107,62 +131,53 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
             rundir.prepare()
             rundir.lock()
         try:
-            return _resume_and_train(cfg, rundir, list(overrides), info, precision, choices)
+            return _resume_and_train(cfg, run_cfg, rundir, list(overrides), info, precision, choices)
         finally:
             rundir.release()
     finally:
         dist.cleanup()
 
 
-def _resume_and_train(
-    cfg: DictConfig, rundir: RunDir, overrides: list[str], info: dist.DistInfo, precision: Any, choices: dict | None
-) -> dict:
+def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overrides: list[str],
+                      info: dist.DistInfo, precision: Any, choices: dict | None) -> dict:
     """Check the directory holds this run (or none), load its checkpoint, then train."""
-    tcfg = cfg.train
-    resume = bool(tcfg.get("resume", True))
+    tcfg = run_cfg.train
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    state = rundir.resume_state(resolved, resume)
-    if (last := rundir.finished_record(state, resume, int(tcfg.steps))) is not None:  # re-running it changes nothing
-        _say(f"{rundir.path} already {last.get('status')} at step {last.get('step', last.get('steps'))}")
+    state = rundir.resume_state(resolved, tcfg.resume)
+    if (last := rundir.finished_record(state, tcfg.resume, tcfg.steps)) is not None:  # re-running it changes nothing
+        say(f"{rundir.path} already {last.get('status')} at step {last.get('step', last.get('steps'))}")
         return records.read_json(rundir.path / schema.SUMMARY_NAME)
 
     prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    if tcfg.get("deterministic", False):
+    if tcfg.deterministic:
         torch.use_deterministic_algorithms(True)
-    if cfg.get("threads") is not None:
-        torch.set_num_threads(int(cfg.threads))
+    if run_cfg.threads is not None:
+        torch.set_num_threads(run_cfg.threads)
     try:
-        return _train(cfg, rundir, overrides, info, precision, state, resolved, run_labels(cfg, choices))
+        names = run_labels(cfg, choices)
+        parts = _build(cfg, run_cfg, info, precision, state, rundir.path)
+        rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, state)
+        rec.open(cfg.logger)
+        return _train(run_cfg, parts, rec, info, precision, names)
     finally:
         torch.use_deterministic_algorithms(prev_det)
         torch.set_num_threads(prev_threads)
 
 
-def _train(
-    cfg: DictConfig,
-    rundir: RunDir,
-    overrides: list[str],
-    info: dist.DistInfo,
-    precision: Any,
-    state: dict | None,
-    resolved: dict,
-    names: dict[str, str],
-) -> dict:
-    tcfg, rcfg = cfg.train, cfg.regime
-    device, main, out_dir = info.device, info.is_main, rundir.path
-    seed = int(cfg.seed)
-
-    # Build: model initialisation depends on the seed only; dropout RNG per rank.
+def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: Any, state: dict | None,
+           out_dir: Path) -> Parts:
+    """Data, model, optimizer, strategy and boundary hooks, from ``state`` when resuming. Model
+    initialisation depends on the seed only; the dropout RNG is per rank."""
     data = build_data(cfg)
-    dist.seed_everything(seed)
-    raw_model = build_model(cfg, data).to(device)
+    dist.seed_everything(run_cfg.seed)
+    raw_model = build_model(cfg, data).to(info.device)
     model = dist.wrap_model(raw_model, info)
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     strategy = build_strategy(cfg)
-    dist.seed_everything(seed, info, per_rank=True)
-    hooks = BoundaryHooks(raw_model, precision, seed)
+    dist.seed_everything(run_cfg.seed, info, per_rank=True)
+    hooks = BoundaryHooks(raw_model, precision, run_cfg.seed)
     try:
         if callable(getattr(strategy, "attach", None)):
             strategy.attach(raw_model)
@@ -170,11 +185,7 @@ def _train(
         hooks.remove()
         raise ConfigError(f"strategy: {one_line(exc)}") from None
     clock = telemetry.OptimizerClock(optimizer)
-    lr_for = recipe.schedule(tcfg, optimizer.param_groups[0]["lr"])  # the base rate, before a resumed state
-
-    counters = {"steps": 0, "skipped_steps": 0, "consecutive_skips": 0, "timed_steps": 0,
-                "step_time_sum": 0.0, "strategy_time_sum": 0.0}
-    start_step = 0
+    lr_for = run_cfg.train.lr_schedule(optimizer.param_groups[0]["lr"])  # the base rate, before a resumed state
     if state is not None:
         try:
             raw_model.load_state_dict(state["model"])
@@ -187,105 +198,39 @@ def _train(
                 f"checkpoint {out_dir / schema.CHECKPOINT_NAME} does not match this configuration "
                 f"({one_line(exc)[:300]}); use another hydra.run.dir or the configuration it was written with"
             ) from None
-        counters.update(state["counters"])
-        start_step = int(state["step"])
-
-    multiplier = float(rcfg.loss_multiplier)
-    spike_steps = set(rcfg.spike_steps)
-    spike_factor = float(rcfg.spike_factor)
-    rescale = bool(rcfg.get("rescale_grads", True))
-    batch: dict[str, Any] = {}  # the current step's inputs, targets and loss multiplier
-
+    batch: dict[str, Any] = {}
     if callable(getattr(strategy, "set_reference", None)):
+        strategy.set_reference(BatchLoss(raw_model, batch, hooks), params)
+    return Parts(data, raw_model, model, params, optimizer, strategy, hooks, clock, lr_for, batch)
 
-        def reference_loss() -> torch.Tensor:
-            """The same batch's loss (times the regime multiplier) in fp32: no autocast, no fp8."""
-            with hooks.disabled():
-                return _loss_fn(raw_model(batch["x"]), batch["y"]) * batch["m"]
 
-        strategy.set_reference(reference_loss, params)
-
-    # Records (rank 0 only): a start at step 0 moves any earlier record aside (replaced-<n>/), a
-    # resume truncates the metrics to the checkpoint (no duplicates, no malformed lines).
-    metrics_path, summary_path = out_dir / schema.METRICS_NAME, out_dir / schema.SUMMARY_NAME
-    head = {**names, "seed": seed, "sweep": str(cfg.sweep)}
-    fingerprint = records.fingerprint(resolved, overrides, str(device))
-    writer = records.MetricsWriter(None)
-    loggers: list = []
-
-    def make_summary(status: str, error: str | None) -> dict:
-        rows = records.read_metrics(metrics_path)  # every rank: rank 0's record (shared file system)
-        return {"status": status, "error": error, **head, **records.summarize(rows, counters),
-                "diverged": status == "diverged", "fingerprint": fingerprint}
-
-    if main:
-        if state is None and rundir.has_record():  # nothing a new start would overwrite is lost
-            why = "train.resume=false" if not tcfg.get("resume", True) else "no checkpoint to resume from"
-            _say(f"{why}: {out_dir} starts at step 0; its earlier records are now in {rundir.move_aside()}")
-        later, malformed = records.truncate_metrics(metrics_path, start_step)
-        if later or malformed:
-            _say(f"resuming {out_dir} at step {start_step}: dropped {later} line(s) of {schema.METRICS_NAME} "
-                 f"after that step and {malformed} malformed line(s)")
-        tags = [names["precision"], names["model"], names["data"], names["regime"], names["strategy"]]
-        loggers = instantiate_loggers(cfg.logger, RunInfo(
-            run_dir=out_dir, run_id=rundir.run_id(), config=resolved, group=str(cfg.sweep),
-            job_type=names["strategy"], tags=tags + [str(t) for t in cfg.get("tags") or []],
-            name=f"{names['strategy']}-{names['precision']}-{names['workload']}-s{seed}",
-        ))
-        records.write_summary(summary_path, make_summary("running", None))
-        writer = records.MetricsWriter(metrics_path)
-
-    def emit(row: dict) -> None:
-        writer.write(row)
-        for logger in loggers:
-            logger.log(row)
-
-    saved_at = start_step  # the step a restart resumes from
-
-    def save_checkpoint(step: int, status: str) -> None:
-        nonlocal saved_at
-        if main and int(tcfg.checkpoint_every) > 0:
-            ckpt.save(
-                out_dir / schema.CHECKPOINT_NAME,
-                {"step": step, "status": status, "config": records.redact(resolved),
-                 "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "strategy": strategy.state_dict(), "rng": ckpt.capture_rng(), "data_position": step,
-                 "counters": dict(counters), "loss_window": (loss_sum.detach().cpu().clone(), loss_count)},
-            )
-            saved_at = step
-
-    steps = int(tcfg.steps)
-    log_every, hist_every = int(tcfg.log_every), int(tcfg.hist_every)
-    eval_every, ckpt_every = int(tcfg.eval_every), int(tcfg.checkpoint_every)
-    warmup, max_skips = int(tcfg.warmup), int(tcfg.get("max_consecutive_skips", 0))
-    fid_every = int(tcfg.get("fidelity_every", 0)) if info.world_size == 1 else 0  # single process only
+def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo, precision: Any,
+           names: dict[str, str]) -> dict:
+    """The steps from ``rec.start_step + 1`` to ``train.steps``, then the final evaluation, checkpoint,
+    diagnosis (a stalled or diverged run) and summary; the whole step is this function's loop body."""
+    tcfg, regime, device, seed = run_cfg.train, run_cfg.regime, info.device, run_cfg.seed
+    data, raw_model, model, params, optimizer = parts.data, parts.raw_model, parts.model, parts.params, parts.optimizer
+    strategy, hooks, clock, batch = parts.strategy, parts.hooks, parts.clock, parts.batch
+    fid_every = tcfg.fidelity_every if info.world_size == 1 else 0  # single process only
     fid_layers = fidelity.layer_of(raw_model)
-    kill_at = tcfg.get("kill_at_step")
+    probe_loss = BatchLoss(raw_model, batch)  # the same loss as the scaled backward
     status, error, exit_code = "running", None, 1
     last_eval_step = -1
-    loss_sum = torch.zeros((), device=device)
-    loss_count = 0
-    if state is not None:
-        loss_sum += state["loss_window"][0].to(device)
-        loss_count = int(state["loss_window"][1])
-    show = bool(tcfg.get("progress", True)) and main and sys.stderr.isatty()
-    bar = tqdm(total=steps, initial=start_step, disable=not show, desc=names["strategy"], dynamic_ncols=True)
-    step = start_step
+    show = tcfg.progress and info.is_main and sys.stderr.isatty()
+    bar = tqdm(total=tcfg.steps, initial=rec.start_step, disable=not show, desc=names["strategy"], dynamic_ncols=True)
+    step = rec.start_step
     watch = preemption.RequeueWatch()
     try:
         model.train()
-        for step in range(start_step + 1, steps + 1):
-            log_now = step % log_every == 0 or step == steps
-            hooks.measure = log_now
-            # The histogram goes on the first logging step at or after each multiple of hist_every.
-            prev_log = ((step - 1) // log_every) * log_every
-            hooks.hist = log_now and hist_every > 0 and step // hist_every > prev_log // hist_every
+        for step in range(rec.start_step + 1, tcfg.steps + 1):
+            log_now = tcfg.log_step(step)
+            hooks.measure, hooks.hist = log_now, tcfg.histogram_step(step)
             if log_now:
                 hooks.reset()
-            m = multiplier * (spike_factor if step in spike_steps else 1.0)
-            x, y = dist.shard_batch(data.batch(int(tcfg.batch_size), step_generator(seed, step)), info)
+            m = regime.multiplier(step)
+            x, y = dist.shard_batch(data.batch(tcfg.batch_size, step_generator(seed, step)), info)
             batch.update(x=x.to(device), y=y.to(device), m=m)
-            recipe.set_lr(optimizer, lr_for(step))
+            recipe.set_lr(optimizer, parts.lr_for(step))
             clock.reset()
             rng = fidelity.capture_rng(device) if fid_every and step % fid_every == 0 else None
             t0, hooks0 = time.perf_counter(), getattr(strategy, "hook_seconds", 0.0)  # attached rules' hooks
@@ -301,100 +246,82 @@ def _train(
                 strategy.unscale_(optimizer)
                 t_strat += time.perf_counter() - ts
                 own_stats = telemetry.param_grad_stats(params) if log_now else {}
-                probed = None if rng is None else fidelity.probe(  # the same loss as the scaled backward
-                    raw_model, lambda: _loss_fn(raw_model(batch["x"]), batch["y"]) * batch["m"], params, rng, fid_layers)
-                if rescale and multiplier != 1.0:
-                    grads = [p.grad for p in params if p.grad is not None]
-                    torch._foreach_div_(grads, multiplier)
-                if float(tcfg.grad_clip) > 0:
-                    torch.nn.utils.clip_grad_norm_(params, float(tcfg.grad_clip))
+                probed = None if rng is None else fidelity.probe(raw_model, probe_loss, params, rng, fid_layers)
+                if regime.rescale_grads and regime.loss_multiplier != 1.0:
+                    torch._foreach_div_([p.grad for p in params if p.grad is not None], regime.loss_multiplier)
+                if tcfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
                 ts = time.perf_counter()
                 strategy.step(optimizer)
                 strategy.update()
                 t_strat += time.perf_counter() - ts - clock.elapsed + getattr(strategy, "hook_seconds", 0.0) - hooks0
             except ValueError as exc:
-                if step > start_step + 1:
+                if step > rec.start_step + 1:
                     raise
                 # A strategy option that only shows at first use (e.g. a pattern matching nothing).
                 raise ConfigError(f"strategy: {one_line(exc)}") from None
             optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach()
-            loss_count += 1
             step_time = time.perf_counter() - t0
             if probed is not None:  # kept out of step time and strategy overhead
                 seconds = fidelity.seconds(probed)
                 step_time -= seconds
-                counters["fidelity_time_s"] = counters.get("fidelity_time_s", 0.0) + seconds
-                emit({"kind": schema.KIND_FIDELITY, "step": step, **probed})
+                rec.fidelity(step, probed, seconds)
             skipped = not clock.ran
-            counters["steps"] = step
-            counters["skipped_steps"] += int(skipped)
-            counters["consecutive_skips"] = counters.get("consecutive_skips", 0) + 1 if skipped else 0
-            if step > warmup:
-                counters["timed_steps"] += 1
-                counters["step_time_sum"] += step_time
-                counters["strategy_time_sum"] += t_strat
+            rec.count(step, loss, skipped, step_time, t_strat)
 
             if log_now:
-                loss_val, loss_avg = torch.stack([loss.detach().float(), loss_sum / loss_count]).tolist()
-                loss_sum.zero_()
-                loss_count = 0
-                row: dict[str, Any] = {"kind": schema.KIND_TRAIN, "step": step}
-                row.update(telemetry.flatten(telemetry.read(strategy), strategy.group_names, own_stats))
-                row.update(loss=loss_val, loss_avg=loss_avg, skipped=skipped, skipped_total=counters["skipped_steps"])
-                row.update(hooks.read())
-                row.update(lr=float(optimizer.param_groups[0]["lr"]), step_time_s=step_time, strategy_time_s=t_strat)
-                emit(row)
-                bar.set_postfix(loss=f"{loss_val:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
-                if (stop := stops.logged_loss(loss_val, step, counters["skipped_steps"], tcfg.divergence_loss,
+                row = rec.train_line(step, loss, skipped, strategy, own_stats, hooks.read(),
+                                     float(optimizer.param_groups[0]["lr"]), step_time, t_strat)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
+                if (stop := stops.logged_loss(row["loss"], step, rec.counters["skipped_steps"], tcfg.divergence_loss,
                                               names["precision"], batch)) is not None:
                     status, error = stop
                     break
             hooks.measure = False
 
-            if eval_every and step % eval_every == 0:
-                ev = _evaluate(model, data, precision, device, int(tcfg.eval_batches))
-                emit({"kind": schema.KIND_EVAL, "step": step, **ev})
+            if tcfg.eval_every and step % tcfg.eval_every == 0:
+                ev = _evaluate(model, data, precision, device, tcfg.eval_batches)
+                rec.eval_line(step, ev)
                 last_eval_step = step
                 if (stop := stops.eval_loss(ev["eval_loss"], step)) is not None:
                     status, error = stop
                     break
-            if max_skips and counters["consecutive_skips"] >= max_skips:
-                status, error = stops.skipped_in_a_row(float(loss.detach()), step, max_skips,  # one read, at the stop
+            if tcfg.max_consecutive_skips and rec.counters["consecutive_skips"] >= tcfg.max_consecutive_skips:
+                status, error = stops.skipped_in_a_row(float(loss.detach()), step, tcfg.max_consecutive_skips,
                                                        float(strategy.get_scale()), names["precision"], batch)
-                break
-            if ckpt_every and step % ckpt_every == 0 and step < steps:
-                save_checkpoint(step, "running")
+                break  # (one read, at the stop)
+            if tcfg.checkpoint_step(step):
+                rec.checkpoint(step, "running", raw_model, optimizer, strategy)
             bar.update(1)
-            if kill_at is not None and step == int(kill_at):
+            if tcfg.kill_at_step is not None and step == tcfg.kill_at_step:
                 # Testing aid: die as a SIGKILL would, without any cleanup.
-                writer.close()
+                rec.close()
                 os.kill(os.getpid(), signal.SIGKILL)
 
         if status == "running":
             if last_eval_step != step:
-                ev = _evaluate(model, data, precision, device, int(tcfg.eval_batches))
-                emit({"kind": schema.KIND_EVAL, "step": step, **ev})
+                ev = _evaluate(model, data, precision, device, tcfg.eval_batches)
+                rec.eval_line(step, ev)
                 status, error = stops.eval_loss(ev["eval_loss"], step) or (status, error)
             if status == "running":
                 status = "completed"
-        save_checkpoint(step, status)
+        rec.checkpoint(step, status, raw_model, optimizer, strategy)
         exit_code = 0
     except BaseException as exc:
-        status, error = stops.exception(exc, watch.signal_name, step, saved_at)
+        status, error = stops.exception(exc, watch.signal_name, step, rec.saved_at)
         raise
     finally:
         # The one place the final summary is written (completed, diverged, stalled, requeued or failed).
         watch.close()
         bar.close()
-        writer.close()
+        rec.close()
         hooks.remove()
         if callable(getattr(strategy, "detach", None)):
             strategy.detach()
-        summary = make_summary(status, error)
-        if main:  # a stalled, diverged or scale-floor run: why, in diagnosis.json (never raises)
-            diagnosis.diagnose_run(out_dir, raw_model, _loss_fn, batch, precision, strategy, lr_for, step, status, error)
-            records.write_summary(summary_path, summary)
-            for logger in loggers:
-                logger.finish(summary, exit_code=exit_code)
+        # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises); ``diag`` is
+        # its verdict (or None), for the summary made just below from ``status, error``.
+        diag = diagnosis.diagnose_run(rec.rundir.path, raw_model, _loss_fn, batch, precision, strategy, parts.lr_for,
+                                      step, status, error) if info.is_main else None
+        summary = rec.summary(status, error)
+        rec.finish(summary, exit_code)
     return summary

@@ -3,15 +3,19 @@ the underflow evidence, divergence and failure handling, resume, every strategy 
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
 import experiments.loop as loop
+import strategies
 from experiments.recipe import lr_at
 from experiments.train import group_options
+from strategies.base import Strategy
 from tests.experiments.runs import run_tiny
 
 TRAIN_KEYS = {
@@ -150,10 +154,27 @@ def test_an_attached_rule_pays_its_hooks_in_the_overhead(tmp_path: Path, monkeyp
     """strategy_time_s counts the strategy's boundary hooks (Strategy.hook_seconds), which run
     inside forward and backward where scale() to update() cannot see them: with a hook clock that
     advances 1 s per read, every step's strategy time is over 1 s."""
-    from strategies.base import Strategy
-
     ticks = iter(range(10**6))
     monkeypatch.setattr(Strategy, "hook_seconds", property(lambda self: float(next(ticks))))
     _, rows = run_tiny(tmp_path, "train.steps=6", "train.log_every=1", "precision=fp16", "strategy=underflow_target")
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 6 and all(r["strategy_time_s"] > 1.0 for r in train)
+
+
+LOOP_MODULES = ("loop.py", "recorder.py", "config.py")
+
+
+def test_the_loop_reads_as_plain_code() -> None:
+    """nanoGPT's shape (issue 23): no function defined inside another (no closures to trace), no
+    function-local import, no strategy known by name, and the step is one function read whole."""
+    folder = Path(loop.__file__).parent
+    for name in LOOP_MODULES:
+        source = (folder / name).read_text()
+        for fn in (n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            inner = [n for n in ast.walk(fn) if n is not fn and isinstance(
+                n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Import, ast.ImportFrom))]
+            assert not inner, f"{name}:{fn.name} defines or imports inside itself (line {inner[0].lineno})"
+        assert not set(re.findall(r"[\"']([A-Za-z_]+)[\"']", source)) & set(strategies.available()), name
+    train = next(n for n in ast.parse((folder / "loop.py").read_text()).body
+                 if isinstance(n, ast.FunctionDef) and n.name == "_train")
+    assert train.end_lineno - train.lineno + 1 <= 130
