@@ -14,15 +14,7 @@ from strategies.norm_ratio import norm_ratio_update_
 from tests.helpers import batch, forbid_host_sync, mlp, params_equal
 
 INF, NAN = math.inf, math.nan
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny fp16-autocast models run ~10x faster on one thread of a loaded 2-core CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
 
 
 def run_rule(rows, S0=1024.0, interval=3):
