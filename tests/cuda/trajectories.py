@@ -11,6 +11,7 @@ import torch
 
 from strategies.adaloss import adaloss_step_, quantile
 from strategies.amax_history import amax_history_update_
+from strategies.formats import FP16_MIN_NORMAL
 from strategies.hybrid import hybrid_update_
 from strategies.learned import learned_update_
 from strategies.tolerance import tolerance_update_
@@ -143,7 +144,7 @@ def learned_trajectory(case):
 
 UNDERFLOW_CASES = [
     # target, target_max, smallest_normal, growth, backoff, max_shift, observed, count scale
-    (1e-3, 32768.0, 2.0**-14, 2.0, 0.5, 32, True, 1.0),
+    (1e-3, 32768.0, FP16_MIN_NORMAL, 2.0, 0.5, 32, True, 1.0),
     (0.05, 448.0, 2.0**-6, 2.0, 0.5, 4, True, 2.0**20),
     (0.0, 65504.0, 1e-5, 1.5, 0.7, 64, False, 3.0),
 ]

@@ -113,6 +113,17 @@ def test_probe_schedule_cost_and_ratio_at_the_pre_step_parameters() -> None:
     assert [t["scale"] for t in tel] == [2.0**10] * 7  # r = 1: keep
 
 
+def test_telemetry_reports_the_raw_ratio_and_the_ema_of_its_log() -> None:
+    """The keys the module docstring names: ``norm_ratio`` is the last probe's raw r and
+    ``log_ratio_ema`` is m (the first valid probe sets m = log2 r; then m <- d m + (1 - d) log2 r)."""
+    s = strategies.create("norm_ratio", init_scale=2.0**-20, probe_interval=2, ema_decay=0.5)
+    tel = train(s, mlp(seed=6), 3, autocast=True)  # S far too small: fp16 loses mass, r > 1
+    r0, r2 = tel[0]["norm_ratio"], tel[2]["norm_ratio"]
+    assert r0 > 1.2 and r0 != r2 and tel[1]["norm_ratio"] == r0  # step 1 does not probe
+    assert tel[0]["log_ratio_ema"] == pytest.approx(math.log2(r0), rel=1e-5)
+    assert tel[2]["log_ratio_ema"] == pytest.approx(0.5 * math.log2(r0) + 0.5 * math.log2(r2), rel=1e-5)
+
+
 def test_probe_never_touches_grad_or_parameters() -> None:
     # Thresholds nobody crosses: the probe decides nothing, so with and without it the run must
     # be bit-identical (same .grad, same parameters, same scales).
