@@ -49,23 +49,39 @@ def run(s, flags: list[int]) -> tuple[list[float], str | None]:
     return scales, None
 
 
-def fp16_run(s, steps, *, closure, multiplier=lambda step: 1.0, poison_at=(), seed=0):
-    model = mlp(seed=seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(s, model, steps, *, autocast=False, lr=0.1, closure=True, params=None, poison_at=(), multiplier=None):
+    """``steps`` SGD steps of ``model`` on ``batch(step)`` with strategy ``s`` (fp16 autocast when
+    ``autocast``), the fp32 reference closure set when ``closure`` (over ``params``), an Inf
+    planted in the first parameter's gradient at the steps of ``poison_at``, the loss (and the
+    reference's) times ``multiplier(step)`` when given; the telemetry after every update."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     cur: dict = {}
+
+    def reference():
+        loss = F.mse_loss(model(cur["x"]), cur["y"])
+        return loss if multiplier is None else loss * cur["m"]
+
     if closure:
-        s.set_reference(lambda: F.mse_loss(model(cur["x"]), cur["y"]) * cur["m"])
+        s.set_reference(reference, params)
     tel = []
     for step in range(steps):
         cur["x"], cur["y"] = batch(step)
-        cur["m"] = multiplier(step)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.mse_loss(model(cur["x"]).float(), cur["y"]) * cur["m"]
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            loss = F.mse_loss(model(cur["x"]).float(), cur["y"])
+        if multiplier is not None:
+            cur["m"] = multiplier(step)
+            loss = loss * cur["m"]
         s.scale(loss).backward()
         if step in poison_at:
             next(model.parameters()).grad.view(-1)[0] = INF
         s.step(opt)
         s.update()
         tel.append({k: v.item() for k, v in s.telemetry().items()})
-    return model, tel
+    return tel
+
+
+def fp16_run(s, steps, *, closure, multiplier=lambda step: 1.0, poison_at=(), seed=0):
+    """:func:`train` of a fresh ``mlp(seed)`` under fp16 autocast; ``(model, telemetry)``."""
+    model = mlp(seed=seed)
+    return model, train(s, model, steps, autocast=True, closure=closure, poison_at=poison_at, multiplier=multiplier)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import strategies
 from strategies.norm_ratio import norm_ratio_update_
 from tests.helpers import batch, forbid_host_sync, mlp, params_equal
+from tests.strategies.drivers import train
 
 INF, NAN = math.inf, math.nan
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
@@ -56,24 +57,6 @@ def test_rule_trajectory_table() -> None:
 
 
 # --------------------------------------------------------------------- the probe, end to end
-def train(s, model, steps, *, autocast=False, lr=0.1, closure=True, params=None, poison_at=()):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    cur: dict[str, torch.Tensor] = {}
-    if closure:
-        s.set_reference(lambda: F.mse_loss(model(cur["x"]), cur["y"]), params)
-    tel = []
-    for step in range(steps):
-        cur["x"], cur["y"] = batch(step)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-            loss = F.mse_loss(model(cur["x"]).float(), cur["y"])
-        s.scale(loss).backward()
-        if step in poison_at:
-            next(model.parameters()).grad.view(-1)[0] = INF
-        s.step(opt)
-        s.update()
-        tel.append({k: v.item() for k, v in s.telemetry().items()})
-    return tel
 
 
 def test_without_closure_it_is_torch_gradscaler_and_warns_once() -> None:
