@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -110,7 +111,7 @@ def _submitit_layout() -> tuple[int, int, int] | None:
     if not os.environ.get("SUBMITIT_EXECUTOR"):
         return None
     try:
-        import submitit
+        import submitit  # optional dependency (the submitit launcher extra): only inside a submitit job
     except ImportError:  # pragma: no cover - submitit sets the variable, so it is installed
         return None
     job_env = submitit.JobEnvironment()
@@ -278,19 +279,14 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def seed_everything(seed: int, info: DistInfo | None = None, per_rank: bool = False) -> int:
-    """Seed ``random``, NumPy (if installed) and torch (CPU and all CUDA devices); return the seed used.
+    """Seed ``random``, NumPy and torch (CPU and all CUDA devices); return the seed used.
 
     ``per_rank=False`` (model initialisation): every rank uses ``seed``.
     ``per_rank=True`` (data order, dropout): rank r uses ``rank_seed(seed, r)``.
     """
     used = rank_seed(seed, info.rank if (per_rank and info is not None) else 0)
     random.seed(used)
-    try:
-        import numpy as np
-
-        np.random.seed(used % 2**32)
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
+    np.random.seed(used % 2**32)
     torch.manual_seed(used)
     return used
 

@@ -46,6 +46,7 @@ from torch import nn
 
 from experiments.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
 from strategies.boundaries import Boundaries, Trace, layers
+from strategies.stats import zeros_and_subnormals
 
 __all__ = ["Precision", "BoundaryHooks", "quantize_dequantize", "HIST_LO", "HIST_BINS"]
 
@@ -171,8 +172,7 @@ class BoundaryHooks:
 
     def _record(self, name: str, g: torch.Tensor) -> None:
         g = g.detach()
-        zeros = (g == 0).sum()
-        sub = ((g != 0) & (g.abs() < self.precision.smallest_normal)).sum()
+        zeros, sub = zeros_and_subnormals([g], self.precision.smallest_normal)
         numel = torch.tensor(g.numel(), device=g.device)
         prev = self._stats.get(name)
         self._stats[name] = [zeros, sub, numel] if prev is None else [prev[0] + zeros, prev[1] + sub, prev[2] + numel]

@@ -29,8 +29,10 @@ from hydra.core.override_parser.types import Glob
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+import strategies.kernels as kernels
 from experiments.records import read_json
 from experiments.schema import SUMMARY_NAME
+from experiments.train import group_options
 
 START, DONE = "start.json", "done"
 
@@ -38,8 +40,6 @@ START, DONE = "start.json", "done"
 def count_jobs(params: dict[str, str], task: list[str]) -> int:
     """The number of jobs Hydra's basic sweeper makes of its ``params`` and the command line's
     overrides ``task`` (a later sweep of a key replaces an earlier one, as in the sweeper)."""
-    from experiments.train import group_options
-
     sizes: dict[str, int] = {}
     overrides = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + list(task))
     for o in overrides:
@@ -74,8 +74,6 @@ class SweepProgress(Callback):
     """See the module docstring."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        import strategies.kernels as kernels
-
         folder = Path(str(config.hydra.sweep.dir)) / ".progress"
         folder.mkdir(parents=True, exist_ok=True)
         params = config.hydra.sweeper.get("params") or {}

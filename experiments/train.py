@@ -34,8 +34,28 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import (
+    create_automatic_config_search_path,
+    detect_calling_file_or_module_from_task_function,
+    detect_task_name,
+    get_args_parser,
+)
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from experiments.build import AppError, one_line, validate
+from experiments.config_safety import check_command_line, check_config
+from experiments.loop import run
+from experiments.rundir import RunDir
+from hydra_plugins.scalelab_sweeper import covering
 
 __all__ = ["main", "check_overrides", "check_safety", "preflight", "CONF_DIR", "GROUPS"]
 
@@ -66,10 +86,6 @@ def check_overrides(args: list[str]) -> str | None:
     chosen option exists (sweeps ``a,b`` and ``choice(...)`` are checked element-wise; ``glob``
     and interpolations are left to Hydra).
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ChoiceSweep
-    from hydra.errors import HydraException
-
     candidates = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]
     parser = OverridesParser.create()
     for arg in candidates:
@@ -102,11 +118,6 @@ def check_overrides(args: list[str]) -> str | None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(cfg: DictConfig) -> float | None:
     """Hydra task: train one configuration; the return value (final eval loss) serves sweepers."""
-    from hydra.types import RunMode
-
-    from experiments.build import AppError
-    from experiments.loop import run
-
     hc = HydraConfig.get()
     try:
         summary = run(cfg, hc.runtime.output_dir, list(hc.overrides.task), dict(hc.runtime.choices))
@@ -122,8 +133,6 @@ def _app(cfg: DictConfig) -> float | None:
 def _hydra_args(args: list[str]) -> argparse.Namespace | None:
     """``args`` parsed by Hydra's own command-line parser; ``None`` when it rejects them (Hydra then
     prints its usage error itself)."""
-    from hydra._internal.utils import get_args_parser
-
     try:
         return get_args_parser().parse_args(args)
     except SystemExit:
@@ -134,13 +143,6 @@ def _main_hydra() -> Any:
     """Hydra's main object, built as ``hydra.main`` builds it for :func:`_app` (same search path and
     task name), so composing with it gives the config Hydra will run. (``--config-path`` and
     ``--config-dir`` are refused before: :func:`experiments.config_safety.check_command_line`.)"""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import (
-        create_automatic_config_search_path,
-        detect_calling_file_or_module_from_task_function,
-        detect_task_name,
-    )
-
     calling_file, calling_module = detect_calling_file_or_module_from_task_function(_app)
     search_path = create_automatic_config_search_path(calling_file, calling_module, str(CONF_DIR))
     return Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module), config_search_path=search_path)
@@ -150,13 +152,6 @@ def _check_sweep(hydra: Any, master: DictConfig) -> None:
     """The master config of a sweep and a covering sample of its jobs (every ``key=value`` of the
     sweep in at least one; the sweeper's own :func:`hydra_plugins.scalelab_sweeper.covering`),
     each composed as the launcher will compose it, pass :func:`experiments.config_safety.check_config`."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
-    from experiments.config_safety import check_config
-    from hydra_plugins.scalelab_sweeper import covering
-
     sweep_dir = str(master.hydra.sweep.dir)
     check_config(master, sweep_dir)
     params = OmegaConf.select(master, "hydra.sweeper.params") or {}
@@ -176,12 +171,6 @@ def check_safety(args: list[str]) -> str | None:
     (:mod:`experiments.config_safety`), checked on the config Hydra will compose — a single run, or
     a sweep's master config and a covering sample of its jobs — before Hydra builds a callback,
     sweeper or launcher, configures logging, sets a job's environment or writes anything; else ``None``."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
-    from experiments.build import AppError
-    from experiments.config_safety import check_command_line, check_config
-
     ns = _hydra_args(args)
     if ns is None:
         return None
@@ -213,12 +202,6 @@ def preflight(args: list[str]) -> str | None:
     directory or writes anything — or ``None``."""
     if any(a.startswith("-") for a in args):
         return None  # --multirun, --cfg, --help, ...: Hydra's own paths (each job is checked in run())
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf, open_dict
-
-    from experiments.build import AppError, one_line, validate
-    from experiments.rundir import RunDir
-
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=args, return_hydra_config=True)

@@ -27,6 +27,7 @@ import math
 import torch
 
 from strategies.kernels import f32_of_double
+from strategies.layer_groups import overflow_origin
 
 __all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
 
@@ -144,13 +145,11 @@ def adaloss_step_(
     layer_cap: float, total_cap: float, backoff_factor: float, min_scale: float | None, max_scale: float | None,
 ) -> None:
     """One update of ``layerwise`` with ``rule: adaloss``, in place, no host sync: the groups an
-    overflow is blamed on (:func:`strategies.layerwise.overflow_origin`), :func:`adaloss_update_`
+    overflow is blamed on (:func:`strategies.layer_groups.overflow_origin`), :func:`adaloss_update_`
     with the normal ``quantile`` (:func:`quantile`), the scales clamped to the power-of-two bounds
     ``[min_scale, max_scale]`` where given, ``origin`` set to the blame, and the hooks' statistics
     ``g2``, ``n``, ``gmax`` cleared for the next step. The Python twin of
     ``torch.ops.scalelab.adaloss_step_`` (all tensors float32 ``[G]``, ``found_inf`` a scalar)."""
-    from strategies.layerwise import overflow_origin  # layerwise imports this module
-
     blamed = overflow_origin(found_inf, group_found_inf, emitted, contaminated)
     _scales_(scales, blamed, found_inf, g2, n, gmax, w2, wmax, fan, quantile, u_min, u_max, layer_cap, total_cap,
              backoff_factor)

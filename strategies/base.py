@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from strategies import kernels
+from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams, signature
 from strategies.state import (RuleState, ScaleFloorError, State, base_state, from_state_dict, raise_fault,
@@ -188,8 +189,6 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._last_stats = None
 
     def _round(self, scale: torch.Tensor) -> torch.Tensor:
-        from strategies.max_ema import round_down_pow2  # the rule module imports this one
-
         return round_down_pow2(scale) if self.pow2_scales else scale
 
     def _bounded(self, scale: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,8 @@ import torch
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.max_ema import MAX_EMA_STATE, MaxEmaParams, max_ema_update_, round_down_pow2
+from strategies.formats import round_down_pow2
+from strategies.max_ema import MAX_EMA_STATE, MaxEmaParams, max_ema_update_
 from strategies.params import hp
 from strategies.probe import PROBE_STATE, ProbeRule, ReferenceProbe, ratio_probe_
 from strategies.registry import register_strategy

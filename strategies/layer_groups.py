@@ -12,7 +12,9 @@ per-group scales exact.
   group calls is walked (:func:`strategies.boundaries.reached`); :func:`link` records which group
   consumes each call's output and refuses (one ``ValueError``) an output consumed by two groups,
   or by a group and a loss scaled at another group's scale — its gradient would sum
-  contributions at two scales. A skip connection *inside* a group (residual blocks) is exact.
+  contributions at two scales. A skip connection *inside* a group (residual blocks) is exact;
+* overflow attribution: :func:`overflow_origin`, the groups a skipped step is blamed on (the
+  per-group rules of ``layerwise`` and AdaLoss back off only those).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from strategies.boundaries import layers
 
-__all__ = ["Links", "link", "resolve"]
+__all__ = ["Links", "link", "overflow_origin", "resolve"]
 
 Groups = list[tuple[str, list[torch.nn.Module]]]
 
@@ -111,3 +113,12 @@ def link(links: Links, k: int, group: int, producer: str, by: str, names: list[s
             f"layerwise: the output of group {producer!r} is also consumed by {by}, past group {names[old]!r} "
             "(a skip connection across a group boundary): its gradient would mix two scales. Pass groups=[...] "
             f"patterns that put the layers from {names[old]!r} to {names[group]!r} in one group")
+
+
+def overflow_origin(found_inf: torch.Tensor, group_found_inf: torch.Tensor, emitted: torch.Tensor,
+                    contaminated: torch.Tensor) -> torch.Tensor:
+    """The groups an overflow is attributed to on a skipped step (bool [G]): own gradients or an
+    emitted gradient non-finite, and not contaminated from above; every group if none qualifies."""
+    skip = found_inf != 0
+    blamed = ((group_found_inf != 0) | (emitted > 0)) & ~(contaminated > 0) & skip
+    return blamed | (skip & ~blamed.any())

@@ -76,7 +76,9 @@ from strategies import adaloss, kernels, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached, tensors_in
-from strategies.max_ema import MaxEmaRule, max_ema_update_, round_down_pow2
+from strategies.formats import round_down_pow2
+from strategies.layer_groups import overflow_origin
+from strategies.max_ema import MaxEmaRule, max_ema_update_
 from strategies.native import native_update_
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
@@ -84,16 +86,9 @@ from strategies.state import State
 from strategies.stats import GradStats
 
 RULES = ("max_ema", "backoff_growth", "adaloss")
-"""Per-group rules. ``adaloss`` (strategies/adaloss.py) runs in Python: it has no kernel yet."""
-
-
-def overflow_origin(found_inf: torch.Tensor, group_found_inf: torch.Tensor, emitted: torch.Tensor,
-                    contaminated: torch.Tensor) -> torch.Tensor:
-    """The groups an overflow is attributed to on a skipped step (bool [G]): own gradients or an
-    emitted gradient non-finite, and not contaminated from above; every group if none qualifies."""
-    skip = found_inf != 0
-    blamed = ((group_found_inf != 0) | (emitted > 0)) & ~(contaminated > 0) & skip
-    return blamed | (skip & ~blamed.any())
+"""Per-group rules. ``adaloss`` (strategies/adaloss.py) updates through its own op, ``adaloss_step_``
+(CPU twin and CUDA kernel, ``cuda/include/scalelab_rules_adaloss.h``); the other two through
+``layerwise_update_``."""
 
 
 def layerwise_update_(

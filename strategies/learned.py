@@ -68,7 +68,7 @@ import torch
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.max_ema import FP16_MAX
+from strategies.formats import FP16_MAX
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State

@@ -53,22 +53,13 @@ import torch
 from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
+from strategies.formats import FP16_MAX, round_down_pow2
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
-FP16_MAX = 65504.0
 ZERO_GRADS_MODES = ("grow", "keep")
-
-
-def round_down_pow2(x: torch.Tensor) -> torch.Tensor:
-    """Largest power of two <= ``x`` (elementwise, exact: via ``frexp``, x = m * 2^e, m in [0.5, 1)).
-
-    Non-positive and non-finite inputs are returned unchanged."""
-    _, e = torch.frexp(x)
-    p = torch.ldexp(torch.full_like(x, 0.5), e)
-    return torch.where(torch.isfinite(x) & (x > 0), p, x)
 
 
 def max_ema_update_(

@@ -39,7 +39,7 @@ which never touches ``.grad``. The probe is not a training step: nothing is appl
 the only extra work of this strategy; ``telemetry()`` reports ``probe_count``, ``probe_time_s``
 (cumulative host wall time from ``time.perf_counter``: on CUDA this is the time to *enqueue* the
 probe, not to run it, because no sync is allowed), ``probe_last_time_s``, ``norm_ratio`` (last
-raw r) and ``norm_ratio_ema`` (r_bar).
+raw r) and ``log_ratio_ema`` (m = log2 r_bar, the EMA of step 1).
 
 Distributed (``distributed`` keyword, see the base class): under DDP ("replicated") the probe
 all-reduces the reference gradients to their mean over ranks — the quantity the DDP-averaged

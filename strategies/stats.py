@@ -25,11 +25,10 @@ from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from strategies import kernels
-
-FP16_MIN_NORMAL = 2.0**-14
-"""Smallest positive normal float16; below it values are subnormal (precision loss) or zero."""
+from strategies.formats import FP16_MIN_NORMAL
 
 
 @dataclass
@@ -78,8 +77,6 @@ class GradStats:
         (FSDP/ZeRO: disjoint shards): MAX for ``found_inf``/``absmax``, SUM for the sums and counts.
         Every rank must call it, also one that holds no gradient (pass :meth:`empty`).
         """
-        import torch.distributed as dist
-
         g = self.found_inf.numel()
         if mode == "replicated":
             packed = torch.cat([getattr(self, f.name).double() for f in fields(self)])
@@ -111,6 +108,18 @@ class GradStats:
             self.subnormals.sum(0, keepdim=True),
             self.numel.sum(0, keepdim=True),
         )
+
+
+def zeros_and_subnormals(grads: Sequence[torch.Tensor],
+                          smallest_normal: float = FP16_MIN_NORMAL) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(#{g == 0}, #{0 < |g| < smallest_normal})`` over every entry of ``grads``: two int64
+    scalars on the gradients' device (no host read). Each comparison is made in the gradient's own
+    dtype (the threshold, 2^-14 for fp16, is exact in every float format that has it as a normal
+    value). NaN counts in neither; ``-0.0`` is a zero. The subnormal count is ``#{|g| <
+    smallest_normal} - #{g == 0}``, which equals ``#{g != 0 and |g| < smallest_normal}`` exactly."""
+    zeros = torch.stack([(g == 0).sum() for g in grads]).sum()
+    tiny = torch.stack([(g.abs() < smallest_normal).sum() for g in grads]).sum()
+    return zeros, tiny - zeros
 
 
 def count_fraction_reference(numel: torch.Tensor, counts: torch.Tensor, more: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,8 +164,6 @@ def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:
     collective: packed into float64)."""
     if not tensors:
         return
-    import torch.distributed as dist
-
     packed = torch.cat([t.double().reshape(-1) for t in tensors])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     for t, part in zip(tensors, packed.split([t.numel() for t in tensors])):
@@ -165,8 +172,6 @@ def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:
 
 def mean_over_ranks_(t: torch.Tensor) -> torch.Tensor:
     """``t`` replaced in place by its mean over the ranks of the default process group."""
-    import torch.distributed as dist
-
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.div_(dist.get_world_size())
 
@@ -213,10 +218,7 @@ def unscale_and_stats_reference(
             if not gs:
                 continue
             # Counts first: they describe the values as backward produced them.
-            zeros = torch.stack([(g == 0).sum() for g in gs]).sum()
-            tiny = torch.stack([(g.abs() < FP16_MIN_NORMAL).sum() for g in gs]).sum()
-            out.zeros[gi] = zeros
-            out.subnormals[gi] = tiny - zeros
+            out.zeros[gi], out.subnormals[gi] = zeros_and_subnormals(gs)
             out.numel[gi] = sum(g.numel() for g in gs)
             _non_finite_check_and_unscale_(gs, out.found_inf[gi], inv[gi])
             absmax = torch.stack(torch._foreach_norm(gs, float("inf"))).float().amax()

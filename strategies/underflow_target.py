@@ -39,6 +39,7 @@ from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, ScaledBackwards, layers
+from strategies.formats import FP16_MIN_NORMAL
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
@@ -107,7 +108,7 @@ class UnderflowTargetParams(ScalerParams):
     target: float = hp(1e-3, v.between(0.0, 1.0, "[)"), "AdaLoss (Zhao et al. 2019): underflow rate 1e-3",
                        "largest fraction of nonzero activation-gradient entries left below the smallest normal")
     target_max: float = hp(32768.0, v.finite_positive, "seed 003 §4.6", "the largest scaled entry stays at or below")
-    smallest_normal: float = hp(2.0**-14, v.finite_positive, "IEEE fp16 (2^-6 for fp8 e4m3)",
+    smallest_normal: float = hp(FP16_MIN_NORMAL, v.finite_positive, "IEEE fp16 (2^-6 for fp8 e4m3)",
                                 "smallest normal value of the activation-gradient format")
     max_shift: int = hp(32, v.integer(1), "scalelab", "largest move of log2 S per update")
 

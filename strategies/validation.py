@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import torch
+
 
 def fail(field: str, allowed: str, value: Any) -> None:
     raise ValueError(f"{field} must be {allowed}, got {value!r}")
@@ -127,8 +129,6 @@ def device(field: str, value: Any) -> str | None:
     """``None`` or a device string torch understands (``"cpu"``, ``"cuda"``, ``"cuda:1"``)."""
     if value is None:
         return None
-    import torch
-
     try:
         return str(torch.device(value))
     except (RuntimeError, TypeError):

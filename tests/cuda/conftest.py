@@ -22,3 +22,11 @@ def ops() -> object:
         pytest.skip("no C++ compiler: the extension cannot be built (plain-torch fallback)")
     assert kernels.load(), f"extension build failed: {kernels.unavailable_reason()}"
     return torch.ops.scalelab
+
+
+@pytest.fixture(scope="module")
+def cuda_ops(ops):
+    """``ops`` with its CUDA kernels (fails when CUDA is there and the extension has none)."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("scalelab::unscale_and_stats", "CUDA"):
+        pytest.fail("the extension was built without its CUDA kernels although CUDA is available")
+    return ops

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from strategies.formats import FP16_MIN_NORMAL
+
 SPECIALS = {
     "nan": float("nan"),
     "inf": float("inf"),
     "-inf": float("-inf"),
     "zero": 0.0,
     "-zero": -0.0,
-    "fp16_min_normal": 2.0**-14,  # not subnormal
-    "below_min_normal": 2.0**-14 * (1 - 2.0**-11),  # just below: subnormal (fp16 rounds it to 2^-14 -> not)
+    "fp16_min_normal": FP16_MIN_NORMAL,  # not subnormal
+    "below_min_normal": FP16_MIN_NORMAL * (1 - 2.0**-11),  # just below: subnormal (fp16 rounds it to 2^-14 -> not)
     "fp16_min_sub": 2.0**-24,
     "fp32_sub": 1e-40,
     "big": 6e4,

@@ -10,6 +10,7 @@ import torch
 
 from strategies.adaloss import adaloss_step_
 from strategies.amax_history import amax_history_update_
+from strategies.formats import FP16_MIN_NORMAL
 from strategies.hybrid import hybrid_update_
 from strategies.layerwise import layerwise_update_
 from strategies.learned import learned_update_
@@ -75,7 +76,7 @@ def _underflow_target(found: float, observed: bool, filled: bool) -> tuple[Any, 
     hist = torch.zeros(E_BINS)
     if filled:
         hist[120:160] = torch.arange(40, dtype=F32)
-    return (torch.tensor(2.0**15), hist, torch.tensor(found), 1e-3, 32768.0, 2.0**-14, 2.0, 0.5, 32, observed)
+    return (torch.tensor(2.0**15), hist, torch.tensor(found), 1e-3, 32768.0, FP16_MIN_NORMAL, 2.0, 0.5, 32, observed)
 
 
 def _tolerance(found: float, tolerance: float, threshold: float | None, raise_: bool) -> tuple[Any, ...]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.cuda.samples import SAMPLES, TWINS
-from tests.cuda.test_update_ops import assert_states_equal
+from tests.cuda.trajectories import assert_states_equal
 
 FLAGS = [float("nan"), -1.0, 0.5, float("inf"), float("-inf"), -0.0, 2.0**-149]
 CASES = [(op, k, f) for op in TWINS for k in range(len(SAMPLES[op])) for f in FLAGS]

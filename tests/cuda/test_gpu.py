@@ -11,18 +11,14 @@ misaligned and sliced gradients, and all three dtypes in one call.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import pytest
 import torch
-
-import re
 
 from strategies import kernels
 from strategies.layerwise import layerwise_update_
 from strategies.max_ema import max_ema_update_
 from strategies.stats import GradStats, unscale_and_check, unscale_and_stats, unscale_and_stats_reference
+from tests.cuda.gpu import CHUNK, CHUNKS_PER_LAUNCH, check_stats, no_sync, to_cuda
 from tests.cuda.gradients import assert_bits_equal, is_dense, make_grad, make_grads
 
 pytestmark = [
@@ -30,66 +26,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def cuda_ops(ops):
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("scalelab::unscale_and_stats", "CUDA"):
-        pytest.fail("the extension was built without its CUDA kernels although CUDA is available")
-    return ops
-
-
-@contextlib.contextmanager
-def no_sync() -> Iterator[None]:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def _geometry() -> tuple[int, int]:
-    """(elements per chunk, chunks per launch) of the statistics pass, read from its source so the
-    re-launch cases follow the kernel (the larger table: CUDA 12.1+)."""
-    src = (kernels.source_dir() / "kernels" / "stats_kernel.cu").read_text()
-    chunk = 1 << int(re.search(r"constexpr int64_t kChunk = 1 << (\d+);", src).group(1))
-    per_launch = max(int(m) for m in re.findall(r"constexpr int kMaxChunks = (\d+);", src))
-    return chunk, per_launch
-
-
-CHUNK, CHUNKS_PER_LAUNCH = _geometry()
-
-
-def to_cuda(gs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Same values, sizes, strides and storage offset (so the same alignment relative to 16 bytes)
-    on the GPU: the whole storage is copied and viewed the same way."""
-    out = []
-    for g in gs:
-        storage = torch.empty(0, dtype=g.dtype).set_(g.untyped_storage())
-        out.append(storage.to("cuda").as_strided(g.size(), g.stride(), g.storage_offset()))
-    return out
-
-
-def check_stats(ops, a: list[torch.Tensor], b: list[torch.Tensor], inv: torch.Tensor, groups: list[int] | None,
-                num_groups: int) -> GradStats:
-    """The kernel on ``a`` against the reference on ``b`` (same values, same layouts): every
-    gradient bit, found_inf, abs-max and the counts exact; sums of squares to 1e-6 of float64."""
-    with no_sync():
-        got = GradStats(*ops.unscale_and_stats(a, inv, [] if groups is None else groups, num_groups))
-    want = unscale_and_stats_reference(b, inv, groups, num_groups)
-    for x, y in zip(a, b):
-        assert x.stride() == y.stride()
-        assert_bits_equal(x.cpu(), y.cpu())
-    assert torch.equal(got.found_inf, want.found_inf)
-    torch.testing.assert_close(got.absmax, want.absmax, rtol=0, atol=0, equal_nan=True)
-    for f in ("zeros", "subnormals", "numel"):
-        assert torch.equal(getattr(got, f), getattr(want, f)), f
-    truth = torch.zeros(num_groups, dtype=torch.float64, device="cuda")
-    for k, g in enumerate(b):
-        truth[0 if groups is None else groups[k]] += g.double().square().sum()
-    torch.testing.assert_close(got.sumsq.double(), truth.float().double(), rtol=1e-6, atol=0, equal_nan=True)
-    return got
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -31,11 +31,12 @@ import torch.nn.functional as F
 import strategies
 from strategies import kernels, stats
 from strategies.norm_ratio import norm_ratio_update_
-from strategies.stats import FP16_MIN_NORMAL, unscale_and_stats
+from strategies.formats import FP16_MIN_NORMAL
+from strategies.stats import unscale_and_stats
 from tests.cuda.gradients import assert_bits_equal, make_grads
 from tests.cuda.samples import SAMPLES
-from tests.cuda.test_gpu import CHUNK, check_stats, cuda_ops, no_sync, to_cuda  # noqa: F401  (fixture)
-from tests.cuda.test_update_ops import NORM_RATIO_CASES, STEPS, assert_states_equal, random_absmax
+from tests.cuda.gpu import CHUNK, check_stats, no_sync, to_cuda
+from tests.cuda.trajectories import NORM_RATIO_CASES, STEPS, assert_states_equal, random_absmax
 from tests.helpers import batch, fp16_safe, mlp, strategy_cases
 
 pytestmark = [

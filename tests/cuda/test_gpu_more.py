@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from strategies.underflow_target import exponent_histogram
-from tests.cuda.test_gpu import cuda_ops, no_sync  # noqa: F401  (fixture)
-from tests.cuda.test_update_ops import assert_states_equal
-from tests.cuda.test_update_ops_more import TRAJECTORIES, with_loader
+from tests.cuda.gpu import no_sync
+from tests.cuda.trajectories import TRAJECTORIES, assert_states_equal, with_loader
 
 pytestmark = [
     pytest.mark.gpu,

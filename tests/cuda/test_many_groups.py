@@ -11,9 +11,8 @@ import torch
 
 from strategies.adaloss import adaloss_step_
 from strategies.layerwise import layerwise_update_
-from tests.cuda.test_gpu import no_sync
-from tests.cuda.test_update_ops import assert_states_equal
-from tests.cuda.test_update_ops_more import adaloss_trajectory, load_stats
+from tests.cuda.gpu import no_sync
+from tests.cuda.trajectories import adaloss_trajectory, assert_states_equal, load_stats
 
 GROUPS = [12, 48, 200]
 I32 = dict(dtype=torch.int32)

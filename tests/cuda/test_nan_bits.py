@@ -17,7 +17,7 @@ from strategies import kernels
 from strategies.hybrid import hybrid_update_
 from strategies.max_ema import max_ema_update_
 from strategies.norm_ratio import norm_ratio_update_
-from tests.cuda.test_update_ops import assert_states_equal
+from tests.cuda.trajectories import assert_states_equal
 
 I32, I64 = dict(dtype=torch.int32), dict(dtype=torch.int64)
 NAN_BITS = [0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFD00001, 0x7F800001]  # the last: signalling

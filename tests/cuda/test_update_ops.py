@@ -11,30 +11,7 @@ import torch
 from strategies.max_ema import max_ema_update_
 from strategies.native import native_update_
 from strategies.norm_ratio import norm_ratio_update_
-
-STEPS = 400
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == torch.float32:
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    return torch.equal(a, b)
-
-
-def assert_states_equal(step: int, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
-    for k, (g, w) in enumerate(zip(got, want)):
-        assert bits_equal(g, w), f"step {step}, state {k}: op {g.tolist()} != reference {w.tolist()}"
-
-
-def random_absmax(gen: torch.Generator, n: int) -> torch.Tensor:
-    """Log-uniform magnitudes over 2^-40..2^40 with some 0, +inf and NaN (the pass's outputs)."""
-    x = torch.exp2(torch.empty(n).uniform_(-40, 40, generator=gen))
-    u = torch.rand(n, generator=gen)
-    x[u < 0.05] = 0.0
-    x[(u >= 0.05) & (u < 0.08)] = float("inf")
-    x[(u >= 0.08) & (u < 0.10)] = float("nan")
-    return x
-
+from tests.cuda.trajectories import NORM_RATIO_CASES, STEPS, assert_states_equal, bits_equal, random_absmax
 
 # H == 1: torch's own kernel is the reference; H > 1: the Python twin, which like torch and the op
 # evaluates S * factor in double and rounds once to float32 (non-power-of-two factors included).
@@ -137,14 +114,6 @@ def test_max_ema_drop_threshold_is_a_multiplication_by_the_reciprocal(ops, growt
     assert bits_equal(state[0], want)
     true_division = torch.where(e < S / growth, S * 0.5, e)
     assert not torch.equal(want, true_division), "the cases do not separate the two thresholds"
-
-
-NORM_RATIO_CASES = [
-    # growth, backoff, interval, th_high, th_low, decay
-    (2.0, 0.5, 2000, 8.0, 0.125, 0.5),
-    (2.0, 0.5, 3, 8.0, 0.125, 0.0),
-    (1.5, 0.7, 5, 3.7, 0.3, 0.9),
-]
 
 
 @pytest.mark.parametrize("case", NORM_RATIO_CASES, ids=lambda c: "-".join(map(str, c)))

@@ -8,6 +8,7 @@ import torch
 
 from experiments.fp8 import CastScaler, quantize_dequantize, stochastic_round
 from experiments.precision import BoundaryHooks, Precision
+from strategies.formats import FP16_MIN_NORMAL
 
 E4M3 = torch.float8_e4m3fn
 
@@ -64,7 +65,7 @@ def test_precision_options_are_validated() -> None:
         Precision.from_config({**base, "history_len": 0})
     with pytest.raises(ValueError, match="apply to the fp8 modes only, not to fp16"):
         Precision.from_config({"name": "fp16", "autocast": "float16", "max": 65504.0,
-                               "smallest_normal": 2.0**-14, "rounding": "stochastic"})
+                               "smallest_normal": FP16_MIN_NORMAL, "rounding": "stochastic"})
 
 
 def test_current_scaling_lowers_underflow_at_the_layer_boundaries() -> None:

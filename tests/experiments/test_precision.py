@@ -11,6 +11,7 @@ import torch
 
 from experiments.models import MLP
 from experiments.precision import HIST_BINS, HIST_LO, BoundaryHooks, Precision, quantize_dequantize
+from strategies.formats import FP16_MIN_NORMAL
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -90,7 +91,7 @@ def test_measurements_match_independently_captured_gradients() -> None:
     for name, g in captured.items():
         assert g.dtype == torch.float16  # real fp16 activation gradients under CPU autocast
         zero = (g == 0).double().mean().item()
-        sub = ((g != 0) & (g.abs().float() < 2.0**-14)).double().mean().item()
+        sub = ((g != 0) & (g.abs().float() < FP16_MIN_NORMAL)).double().mean().item()
         assert got["act_zero_frac"][name] == pytest.approx(zero)
         assert got["act_subnormal_frac"][name] == pytest.approx(sub)
         nz = g[g != 0].float()

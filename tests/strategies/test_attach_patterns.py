@@ -24,7 +24,7 @@ from strategies.boundaries import Boundaries
 LAYERWISE = [{}, {"rule": "backoff_growth"}, {"rule": "adaloss"}]
 
 
-from tests.strategies.test_layerwise import one_thread  # noqa: F401  (autouse: one thread)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
 
 
 def set_scales(s, scales: list[float]) -> None:

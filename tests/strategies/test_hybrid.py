@@ -12,7 +12,9 @@ import torch.nn.functional as F
 import strategies
 from strategies.hybrid import HybridParams, hybrid_hparams, hybrid_update_
 from tests.helpers import batch, forbid_host_sync, mlp, params_equal
-from tests.strategies.test_norm_ratio import one_thread  # noqa: F401  (autouse: tiny fp16 models, one thread)
+from tests.strategies.drivers import fp16_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
 
 INF = math.inf
 
@@ -143,28 +145,6 @@ def test_a_resumed_run_keeps_the_trigger_and_probe_state() -> None:
     assert [{k: x for k, x in t.items() if k not in timing} for t in a] == \
         [{k: x for k, x in t.items() if k not in timing} for t in b]
     assert [t["zero_jumped"] for t in b] == [1.0, 0.0] and b[-1]["calibrations"] == 2
-
-
-def fp16_run(s, steps, *, closure, multiplier=lambda step: 1.0, poison_at=(), seed=0):
-    model = mlp(seed=seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cur: dict = {}
-    if closure:
-        s.set_reference(lambda: F.mse_loss(model(cur["x"]), cur["y"]) * cur["m"])
-    tel = []
-    for step in range(steps):
-        cur["x"], cur["y"] = batch(step)
-        cur["m"] = multiplier(step)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.mse_loss(model(cur["x"]).float(), cur["y"]) * cur["m"]
-        s.scale(loss).backward()
-        if step in poison_at:
-            next(model.parameters()).grad.view(-1)[0] = INF
-        s.step(opt)
-        s.update()
-        tel.append({k: v.item() for k, v in s.telemetry().items()})
-    return model, tel
 
 
 def test_without_a_reference_it_warns_once_and_is_max_ema() -> None:

@@ -14,15 +14,7 @@ import strategies
 from tests.helpers import forbid_host_sync, params_equal
 
 INF = math.inf
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny fp16-autocast models run ~10x faster on one thread of a loaded 2-core CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
 
 
 class Poison(torch.nn.Module):

@@ -10,8 +10,9 @@ import torch
 
 import strategies
 from strategies.learned import LearnedParams, learned_hparams, learned_update_
-from tests.strategies.test_hybrid import fp16_run
-from tests.strategies.test_norm_ratio import one_thread  # noqa: F401  (autouse: tiny fp16 models, one thread)
+from tests.strategies.drivers import fp16_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
 
 INF, LN2 = math.inf, math.log(2.0)
 

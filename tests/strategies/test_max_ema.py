@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import strategies
-from strategies.max_ema import max_ema_update_, round_down_pow2
+from strategies.formats import round_down_pow2
+from strategies.max_ema import max_ema_update_
 from tests.helpers import forbid_host_sync
 
 INF = math.inf

@@ -21,7 +21,7 @@ import torch
 
 import strategies
 from strategies.base import ScaleFloorError
-from tests.strategies.test_native_rule import drive
+from tests.strategies.drivers import drive, run
 
 
 class Megatron:
@@ -106,23 +106,6 @@ class Apex:
                 self.growth_tracker = successful
         if found_inf <= 0:
             self.hysteresis_tracker = self.hysteresis
-
-
-def run(s, flags: list[int]) -> tuple[list[float], str | None]:
-    """Real training-loop calls (``drive``: one scalar parameter, ``flags[i]`` poisoning step
-    i's gradient, no host read in unscale_/update); the scale after each update (from
-    telemetry: ``get_scale`` raises once a fault is recorded) and the message of a
-    ``ScaleFloorError`` raised by ``step()`` (the loop stops there)."""
-    scales: list[float] = []
-    for f in flags:
-        updates = s.updates
-        try:
-            drive(s, [f])
-        except ScaleFloorError as e:
-            if s.updates == updates:  # raised by step(), before the update
-                return scales, str(e)
-        scales.append(s.telemetry()["scale"].item())
-    return scales, None
 
 
 def random_case(seed: int) -> tuple[list[int], dict]:

@@ -8,25 +8,7 @@ import torch
 import strategies
 from strategies.native import native_update_
 from tests.helpers import forbid_host_sync
-
-
-def drive(s, found: list[int]) -> list[float]:
-    """Feed a sequence of found_inf flags straight into the rule (one scalar 'gradient')."""
-    p = torch.nn.Parameter(torch.zeros(()))
-    opt = torch.optim.SGD([p], lr=0.0)
-    out = []
-    for f in found:
-        opt.zero_grad()
-        s.scale(p * 0 + 1.0).backward()
-        if f:
-            p.grad.fill_(float("inf"))
-        with forbid_host_sync():
-            s.unscale_(opt)
-        s.step(opt)
-        with forbid_host_sync():
-            s.update()
-        out.append(s.get_scale())
-    return out
+from tests.strategies.drivers import drive
 
 
 def test_default_is_torch_backoff_growth() -> None:

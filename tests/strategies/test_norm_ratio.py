@@ -12,17 +12,10 @@ import torch.nn.functional as F
 import strategies
 from strategies.norm_ratio import norm_ratio_update_
 from tests.helpers import batch, forbid_host_sync, mlp, params_equal
+from tests.strategies.drivers import train
 
 INF, NAN = math.inf, math.nan
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny fp16-autocast models run ~10x faster on one thread of a loaded 2-core CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)
 
 
 def run_rule(rows, S0=1024.0, interval=3):
@@ -64,24 +57,6 @@ def test_rule_trajectory_table() -> None:
 
 
 # --------------------------------------------------------------------- the probe, end to end
-def train(s, model, steps, *, autocast=False, lr=0.1, closure=True, params=None, poison_at=()):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    cur: dict[str, torch.Tensor] = {}
-    if closure:
-        s.set_reference(lambda: F.mse_loss(model(cur["x"]), cur["y"]), params)
-    tel = []
-    for step in range(steps):
-        cur["x"], cur["y"] = batch(step)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-            loss = F.mse_loss(model(cur["x"]).float(), cur["y"])
-        s.scale(loss).backward()
-        if step in poison_at:
-            next(model.parameters()).grad.view(-1)[0] = INF
-        s.step(opt)
-        s.update()
-        tel.append({k: v.item() for k, v in s.telemetry().items()})
-    return tel
 
 
 def test_without_closure_it_is_torch_gradscaler_and_warns_once() -> None:
@@ -119,6 +94,17 @@ def test_probe_schedule_cost_and_ratio_at_the_pre_step_parameters() -> None:
     assert times[0] > 0 and times[1] == times[0] and times[3] > times[2] and times[6] > times[5]
     assert tel[6]["probe_last_time_s"] == pytest.approx(times[6] - times[5])
     assert [t["scale"] for t in tel] == [2.0**10] * 7  # r = 1: keep
+
+
+def test_telemetry_reports_the_raw_ratio_and_the_ema_of_its_log() -> None:
+    """The keys the module docstring names: ``norm_ratio`` is the last probe's raw r and
+    ``log_ratio_ema`` is m (the first valid probe sets m = log2 r; then m <- d m + (1 - d) log2 r)."""
+    s = strategies.create("norm_ratio", init_scale=2.0**-20, probe_interval=2, ema_decay=0.5)
+    tel = train(s, mlp(seed=6), 3, autocast=True)  # S far too small: fp16 loses mass, r > 1
+    r0, r2 = tel[0]["norm_ratio"], tel[2]["norm_ratio"]
+    assert r0 > 1.2 and r0 != r2 and tel[1]["norm_ratio"] == r0  # step 1 does not probe
+    assert tel[0]["log_ratio_ema"] == pytest.approx(math.log2(r0), rel=1e-5)
+    assert tel[2]["log_ratio_ema"] == pytest.approx(0.5 * math.log2(r0) + 0.5 * math.log2(r2), rel=1e-5)
 
 
 def test_probe_never_touches_grad_or_parameters() -> None:

@@ -49,8 +49,8 @@ def test_a_new_file_is_discovered_with_no_other_edit(tmp_path: Path) -> None:
 
         @register_strategy("fixed")
         class Fixed(Strategy):
-            """A constant scale: never changes it."""
-            def _update_scale(self, found_inf, stats):
+            """A constant scale: its update never changes it."""
+            def update_(self, found_inf, stats):
                 pass
     '''))
     code = "import strategies; print(','.join(strategies.available())); print(strategies.create('fixed').name)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import strategies
-from tests.strategies.test_native_rule import drive
+from tests.strategies.drivers import drive
 
 
 def test_default_scale_is_1024() -> None:

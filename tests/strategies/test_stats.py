@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from strategies.stats import FP16_MIN_NORMAL, GradStats, unscale_and_stats, unscale_and_stats_reference
+from strategies.formats import FP16_MIN_NORMAL
+from strategies.stats import GradStats, unscale_and_stats, unscale_and_stats_reference, zeros_and_subnormals
 
 
 def definition(grads, inv, groups, G):
@@ -102,3 +103,15 @@ def test_float64_gradients_are_supported() -> None:
     assert st.sumsq.item() == pytest.approx(1.5**2 + 2.0**2 + 0.5**2)
     assert st.absmax.item() == 2.0 and st.zeros.item() == 1
     assert torch.equal(g[0], torch.tensor([1.5, -2.0, 0.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype,threshold", [(torch.float16, FP16_MIN_NORMAL), (torch.bfloat16, FP16_MIN_NORMAL),
+                                             (torch.float32, 2.0**-6), (torch.float32, 2.0**-126)])
+def test_zero_and_subnormal_counts_by_hand(dtype, threshold) -> None:
+    """Hand-counted: zeros (``-0.0`` included) and nonzero entries below the threshold; NaN and
+    Inf in neither; the threshold itself is not below it."""
+    a = torch.tensor([0.0, -0.0, float("nan"), float("inf"), threshold, -threshold / 2, threshold / 4, 1.0], dtype=dtype)
+    b = torch.tensor([[0.0, 3.0], [-threshold * 0.75, 0.0]], dtype=dtype)
+    zeros, subnormals = zeros_and_subnormals([a, b], threshold)
+    assert zeros.dtype == subnormals.dtype == torch.int64
+    assert (zeros.item(), subnormals.item()) == (4, 3)

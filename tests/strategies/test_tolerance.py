@@ -14,7 +14,7 @@ import random
 import pytest
 
 import strategies
-from tests.strategies.test_native_industry import run
+from tests.strategies.drivers import run
 
 
 class Fairseq:

@@ -25,7 +25,7 @@ import torch
 import strategies
 from strategies.base import _fresh_optimizer_state
 from tests.helpers import PROBING_OR_PER_GROUP, make_strategy, strategy_cases
-from tests.strategies.test_torch_gradscaler import create_scaling_case, presets_slow, torch_rule
+from tests.strategies.gradscaler_cases import create_scaling_case, presets_slow, torch_rule
 
 CASES = strategy_cases()
 

@@ -10,16 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import strategies
+from strategies.formats import FP16_MAX, FP16_MIN_NORMAL
 from strategies.underflow_target import E_BINS, E_LO, bin_counts, exponent_histogram, underflow_target_update_
-
-FP16_MIN_NORMAL = 2.0**-14
 
 
 def place(values: list[float], scale: float = 1.0, found: float = 0.0, target: float = 1e-3,
           observed: bool = True) -> float:
     s = torch.tensor(scale)
     hist = exponent_histogram(torch.tensor(values))
-    underflow_target_update_(s, hist, torch.tensor(found), target, 65504.0, FP16_MIN_NORMAL, 2.0, 0.5, 32, observed)
+    underflow_target_update_(s, hist, torch.tensor(found), target, FP16_MAX, FP16_MIN_NORMAL, 2.0, 0.5, 32, observed)
     assert hist.sum() == 0  # cleared for the next step
     return s.item()
 
