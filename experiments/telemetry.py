@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from experiments import schema
+from strategies.stats import zeros_and_subnormals
 
 __all__ = ["GRAD_FIELDS", "OptimizerClock", "param_grad_stats", "flatten", "read"]
 
-FP16_SMALLEST_NORMAL = 2.0**-14
 GRAD_FIELDS = ("grad_absmax", "grad_norm", "grad_zero_frac", "grad_subnormal_frac")
 _SCALE, _SCALES, _GROUPS, _EXTRA = "scale", "scales", "scale_groups", "telemetry"
 
@@ -38,8 +38,7 @@ def param_grad_stats(params: Sequence[torch.nn.Parameter]) -> dict[str, float]:
         return dict(zip(GRAD_FIELDS, (0.0, 0.0, 1.0, 0.0)))
     absmax = torch.stack([g.abs().max().float() for g in grads]).max()
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    zeros = sum((g == 0).sum() for g in grads)
-    sub = sum(((g != 0) & (g.abs() < FP16_SMALLEST_NORMAL)).sum() for g in grads)
+    zeros, sub = zeros_and_subnormals(grads)
     numel = sum(g.numel() for g in grads)
     a, n, z, s = torch.stack([absmax, norm, zeros.float(), sub.float()]).tolist()  # type: ignore[union-attr]
     return dict(zip(GRAD_FIELDS, (a, n, z / numel, s / numel)))
