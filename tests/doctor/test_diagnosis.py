@@ -14,6 +14,7 @@ from experiments import schema
 from experiments.diagnosis import DIAGNOSIS_NAME, annotate, diagnose_run, should_diagnose
 from experiments.models import MLP
 from strategies.doctor import CAUSES
+from tests.experiments.runs import run_tiny
 from tests.experiments.test_records import DOC, _documented
 from strategies.state import ScaleFloorError
 
@@ -115,3 +116,21 @@ def test_diagnosis_json_follows_the_schema(tmp_path: Path) -> None:
 def test_run_records_doc_lists_the_diagnosis_fields() -> None:
     assert _documented("## `diagnosis.json`", "## Loggers") == set(schema.DIAGNOSIS_FIELDS)
     assert f"`{schema.DIAGNOSIS_NAME}`" in DOC.read_text()
+
+
+LOOP_WIRED = False
+"""Set to True at merge, when experiments/loop.py runs ``diag = diagnosis.diagnose_run(...)`` before
+``make_summary`` and ``summary = {**make_summary(status, diagnosis.annotate(status, error, diag)), ...}``."""
+
+
+@pytest.mark.xfail(not LOOP_WIRED, strict=True, reason="the loop's two lines are wired at merge (see LOOP_WIRED)")
+def test_a_stalled_runs_stop_message_ends_with_the_verdict(tmp_path: Path) -> None:
+    summary, _ = run_tiny(tmp_path / "run", "model=gpt_ffn_overflow", "model.ffn_gain=3000", "train.steps=4",
+                          "train.checkpoint_every=2", "train.log_every=2", "train.eval_every=0", model="gpt")
+    assert summary["status"] == "stalled" and summary["diagnosis"] == "forward_overflow"
+    assert summary["error"].startswith("forward overflow: ")
+    assert summary["error"].endswith("; doctor: forward_overflow at blocks.0.fc_out: forward overflow in fp16 at "
+                                     "blocks.0.fc_out: no loss scale can fix it; fix: keep blocks.0.fc_out in fp32 "
+                                     "(run its forward under torch.autocast(..., enabled=False) on a .float() input, "
+                                     "as HF keeps T5's `wo` via _keep_in_fp32_modules), or train in bf16")
+    assert json.loads((tmp_path / "run" / schema.SUMMARY_NAME).read_text())["diagnosis"] == "forward_overflow"
