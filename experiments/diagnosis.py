@@ -32,12 +32,16 @@ LR_WINDOW = 20
 """Steps of the learning-rate schedule the doctor sees, the failing step last."""
 
 
-def should_diagnose(status: str, error: BaseException | str | None = None) -> bool:
-    """A stalled or diverged run, or one a strategy ended at its scale floor (the exception, or the
-    loop's one-line error ``"ScaleFloorError: ..."``)."""
-    floor = isinstance(error, ScaleFloorError) or (
+def at_floor(error: BaseException | str | None) -> bool:
+    """A strategy ended the run at its scale floor: the exception, or the loop's one-line error
+    ``"ScaleFloorError: ..."``."""
+    return isinstance(error, ScaleFloorError) or (
         isinstance(error, str) and error.startswith(f"{ScaleFloorError.__name__}:"))
-    return status in TRIGGERS or floor
+
+
+def should_diagnose(status: str, error: BaseException | str | None = None) -> bool:
+    """A stalled or diverged run, or one a strategy ended at its scale floor (:func:`at_floor`)."""
+    return status in TRIGGERS or at_floor(error)
 
 
 def annotate(status: str, error: str | None, diag: Diagnosis | None) -> str | None:
@@ -88,6 +92,11 @@ def diagnose_run(
         _write(path, {**record, "error": f"the doctor diagnoses {', '.join(DTYPES)} runs, not {name}"})
         return None
     enabled = bool(getattr(scaler, "is_enabled", lambda: True)())
+    # A strategy's floor error is raised in step(), before the loop clears .grad: the failing
+    # step's own gradients are set aside, so the doctor does not take them for accumulated ones.
+    grads = [(p, p.grad) for p in model.parameters()] if at_floor(error) else []
+    for p, _ in grads:
+        p.grad = None
     try:
         diagnosis = diagnose(
             model, lambda m, b: loss_fn(m(b["x"]), b["y"]) * b["m"], batch, precision=name,
@@ -97,5 +106,8 @@ def diagnose_run(
     except Exception as exc:  # noqa: BLE001 - the run's own result must survive a failing doctor
         _write(path, {**record, "error": one_line(f"{type(exc).__name__}: {exc}")[:500]})
         return None
+    finally:
+        for p, g in grads:
+            p.grad = g
     _write(path, {**record, **diagnosis.to_dict()})  # non-finite numbers as NaN/Infinity, as every record
     return diagnosis

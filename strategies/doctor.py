@@ -39,7 +39,8 @@ gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
    already wrote NaN into the weights) holds NaN/Inf, or the fp32 forward itself is non-finite
    (the loss, not the format, is broken);
 2. ``grads_not_cleared`` — the parameters held gradients before the step whose norm is at least
-   ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing);
+   ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing), or
+   non-finite ones (an earlier overflow left in ``.grad``: every later step overflows too);
 3. ``lr_spike`` — the step overflows (forward or backward) and the last learning rate of
    ``lr_history`` (at least three rates) is at least ``2x`` the largest of the earlier ones;
 4. ``forward_overflow`` — the mixed forward is non-finite while the fp32 forward is finite
@@ -292,10 +293,16 @@ def _decide(m: Measured, model: torch.nn.Module, params: list[torch.nn.Parameter
         diag.fix = ("drop or repair the batch (check the data pipeline for NaN/Inf), guard the loss "
                     "(e.g. log(x + eps)); skip such batches instead of letting the scaler back off")
     # 2. Gradients accumulated over steps.
-    elif m.prior_norm > 0 and m.ref_norm > 0 and m.prior_norm >= ACCUMULATED_RATIO * m.ref_norm:
+    elif not math.isfinite(m.prior_norm) or (
+            m.prior_norm > 0 and m.ref_norm > 0 and m.prior_norm >= ACCUMULATED_RATIO * m.ref_norm):
         diag.cause = "grads_not_cleared"
-        evidence.append(f"the parameters already held gradients of norm {m.prior_norm:.4g} before this step, "
-                        f"{m.prior_norm / m.ref_norm:.1f}x this step's fp32 gradient norm {m.ref_norm:.4g}")
+        if math.isfinite(m.prior_norm):
+            evidence.append(f"the parameters already held gradients of norm {m.prior_norm:.4g} before this step, "
+                            f"{m.prior_norm / m.ref_norm:.1f}x this step's fp32 gradient norm {m.ref_norm:.4g}")
+        else:
+            evidence.append(f"the parameters already held non-finite gradients before this step (norm {m.prior_norm:g}): "
+                            "an earlier overflow stayed in .grad, so every later step overflows and is skipped, "
+                            "and the scale falls to its floor whatever it is")
         diag.verdict = "gradients are accumulating across steps: .grad was never cleared"
         diag.fix = "call optimizer.zero_grad(set_to_none=True) after every optimizer step (or every accumulation window)"
     # 3. A learning-rate spike that made the step overflow.
