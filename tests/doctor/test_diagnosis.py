@@ -83,10 +83,14 @@ def test_a_strategy_stopped_at_its_floor_is_diagnosed_at_that_floor(tmp_path: Pa
     scaler.update()  # the overflow at the floor: recorded, raised at the next host read
     with pytest.raises(ScaleFloorError):
         scaler.get_scale()
-    model.zero_grad(set_to_none=True)
+    # The floor error leaves the failing step's own (non-finite) gradients in .grad, as in the
+    # loop: they are set aside, not taken for accumulated ones, and put back afterwards.
+    held = [p.grad for p in model.parameters()]
+    assert any(not torch.isfinite(g).all() for g in held)
     d = diagnose_run(tmp_path, model, loop_loss, batch, "fp16", scaler, lambda s: 1e-3, 1,
                      "failed", "ScaleFloorError: native: step 1: ...")
     assert d is not None and d.scale == 1.0 and d.cause == "gradient_overflow" and d.first_module == "head"
+    assert all(p.grad is g for p, g in zip(model.parameters(), held))
 
 
 def test_annotate_appends_the_verdict_to_the_stop_message(tmp_path: Path) -> None:
