@@ -13,7 +13,8 @@ cut or set to missing, and said in one line (:attr:`RunSet.problems`, "bad recor
 file or directory; the ``issues`` column per run).
 
 **Limits** (per file; ``docs/report.md``): a ``summary.json`` over :data:`MAX_SUMMARY_BYTES`
-is not read (listed; the run counts as incomplete); ``metrics.jsonl`` is streamed line by line,
+is not read (listed; the run counts as incomplete), nor a ``diagnosis.json`` over
+:data:`MAX_DIAGNOSIS_BYTES` (listed; the run shows no diagnosis); ``metrics.jsonl`` is streamed line by line,
 a line over :data:`MAX_LINE_BYTES` is skipped (listed) and reading stops after
 :data:`MAX_METRICS_BYTES` (listed; the lines before it are kept); ``.hydra/overrides.yaml`` is
 read up to :data:`MAX_OVERRIDES_BYTES`. The per-step tables of all runs together hold at most
@@ -30,19 +31,21 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from experiments.schema import METRICS_NAME, SUMMARY_NAME
+from experiments.schema import DIAGNOSIS_NAME, METRICS_NAME, SUMMARY_NAME
 
 from analysis.runset import (IDENTITY_KEYS, Builder, RunLoadError, RunSet, line_problem,
                              parse_json)
 from analysis.wandb_runs import load_wandb, wandb_rows_to_lines
 
-__all__ = ["MAX_LINE_BYTES", "MAX_METRICS_BYTES", "MAX_OVERRIDES_BYTES", "MAX_SUMMARY_BYTES",
+__all__ = ["MAX_DIAGNOSIS_BYTES", "MAX_LINE_BYTES", "MAX_METRICS_BYTES", "MAX_OVERRIDES_BYTES", "MAX_SUMMARY_BYTES",
            "RunLoadError", "RunSet", "find_run_dirs", "iter_metrics", "load_runs", "load_wandb",
            "wandb_rows_to_lines"]
 
 MiB = 2**20
 #: Largest ``summary.json`` read (a real one is a few kB; its config is most of it).
 MAX_SUMMARY_BYTES = 16 * MiB
+#: Largest ``diagnosis.json`` read (a real one is a few kB: one row per layer and scale).
+MAX_DIAGNOSIS_BYTES = 1 * MiB
 #: Longest ``metrics.jsonl`` line read (a real one is under 10 kB).
 MAX_LINE_BYTES = 1 * MiB
 #: Most bytes of one ``metrics.jsonl`` read (about 100k logged steps of a 12-layer model).
@@ -198,25 +201,39 @@ def iter_metrics(path: str | os.PathLike[str], problems: list[str] | None = None
         problems.append(f"{path}: {skipped - MAX_LINE_PROBLEMS} more corrupt lines skipped")
 
 
-def read_summary(run_dir: Path, problems: list[str]) -> dict[str, Any] | None:
-    """The parsed ``summary.json`` of ``run_dir`` when it is a JSON object within
-    :data:`MAX_SUMMARY_BYTES`, else ``None`` (with the reason in ``problems`` unless the file
-    does not exist)."""
-    path = run_dir / SUMMARY_NAME
+def read_object(path: Path, limit: int, what: str, consequence: str, problems: list[str]
+                ) -> dict[str, Any] | None:
+    """The parsed JSON object in ``path`` when it is one within ``limit`` bytes, else ``None``
+    (with ``"<path>: unreadable <what> (<reason>); <consequence>"`` or ``"<path>: <what> is a
+    JSON list, not an object; <consequence>"`` in ``problems`` unless the file does not exist)."""
     try:
-        data = read_capped(path, MAX_SUMMARY_BYTES)
+        data = read_capped(path, limit)
         obj = parse_json(data)
     except FileNotFoundError:
         return None
     except (ValueError, RecursionError, OSError) as exc:
         reason = "empty" if isinstance(exc, ValueError) and not data.strip() else _why(exc)
-        problems.append(f"{path}: unreadable summary ({reason}); run labelled incomplete")
+        problems.append(f"{path}: unreadable {what} ({reason}); {consequence}")
         return None
     if not isinstance(obj, dict):
-        problems.append(f"{path}: summary is a JSON {type(obj).__name__}, not an object; "
-                        "run labelled incomplete")
+        problems.append(f"{path}: {what} is a JSON {type(obj).__name__}, not an object; "
+                        f"{consequence}")
         return None
     return obj
+
+
+def read_summary(run_dir: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The parsed ``summary.json`` of ``run_dir`` within :data:`MAX_SUMMARY_BYTES`
+    (:func:`read_object`; a bad one labels the run incomplete)."""
+    return read_object(run_dir / SUMMARY_NAME, MAX_SUMMARY_BYTES, "summary",
+                       "run labelled incomplete", problems)
+
+
+def read_diagnosis(run_dir: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The parsed ``diagnosis.json`` of ``run_dir`` within :data:`MAX_DIAGNOSIS_BYTES`
+    (:func:`read_object`; a bad one is listed and the run shows no diagnosis)."""
+    return read_object(run_dir / DIAGNOSIS_NAME, MAX_DIAGNOSIS_BYTES, "diagnosis",
+                       "no diagnosis shown", problems)
 
 
 def hydra_identity(run_dir: Path, problems: list[str]) -> dict[str, Any]:
@@ -288,7 +305,8 @@ def load_runs(paths: str | os.PathLike[str] | list[str | os.PathLike[str]]) -> R
             n_before = len(builder.problems)
             summary = read_summary(run_dir, builder.problems)
             identity = hydra_identity(run_dir, builder.problems)
+            diag = read_diagnosis(run_dir, builder.problems)
             lines = iter_metrics(run_dir / METRICS_NAME, builder.problems)
             builder.add_run(run_id, str(run_dir), summary, lines, identity,
-                            problems_from=n_before)
+                            problems_from=n_before, raw_diagnosis=diag)
     return builder.build([str(p) for p in paths])

@@ -141,6 +141,23 @@ def _status_rows(rs: RunSet) -> tuple[list[str], list[list[str]], list[str], lis
     return c_cols, c_rows, b_cols, b_rows
 
 
+def _diagnosis_rows(runs: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """One row per run the doctor looked at (``diagnosis.json``, or the summary's cause):
+    run, status, cause, first module, verdict, fix — or why the doctor could not run."""
+    cols = ["run", "status", "cause", "first module", "verdict", "fix"]
+    rows = []
+    seen = runs[runs["diagnosis"].notna() | runs["diagnosis_error"].notna()]
+    for _, r in seen.iterrows():
+        cause = r["diagnosis"] if isinstance(r["diagnosis"], str) else None
+        verdict = r["diagnosis_verdict"] if cause else f"doctor did not run: {r['diagnosis_error']}"
+        rows.append([code(r["run_id"]), f"**{r['status']}**", code(cause) if cause else "–",
+                     code(r["diagnosis_module"]) if isinstance(r["diagnosis_module"], str) else "–",
+                     code(verdict, max_chars=300) if isinstance(verdict, str) else "–",
+                     code(r["diagnosis_fix"], max_chars=300)
+                     if isinstance(r["diagnosis_fix"], str) else "–"])
+    return cols, rows
+
+
 def results_table(summary: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
     """``results.csv``: the summary with rank and tie columns, one row per group."""
     return summary.merge(ranks[["workload", "precision", "strategy", "rank", "tied_with",
@@ -252,6 +269,14 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
               "read, or only in part, or held values of the wrong type, with the reason; what "
               "it lacked was skipped while loading (limits: docs/report.md).")
         doc.bullets([code(p, max_chars=300) for p in rs.problems])
+
+    d_cols, d_rows = _diagnosis_rows(rs.runs)
+    if d_rows:
+        doc.h(1, "Diagnoses")
+        doc.table(d_cols, d_rows, caption=(
+            "What the doctor (scalelab-doctor, docs/doctor.md) found on the failing step of each "
+            "stalled, diverged or scale-floor run (its diagnosis.json; runs.csv columns "
+            "diagnosis, diagnosis_module, diagnosis_verdict, diagnosis_fix, diagnosis_error)."))
 
     doc.h(1, "Figures")
     notes: list[str] = []

@@ -7,8 +7,9 @@ is counted as an *issue* of its run, so nothing downstream ever sees a type it d
 Tables of a :class:`RunSet` (one row per …):
 
 * ``runs``         run: the summary fields, per-run aggregates of the step telemetry, ``status``,
-  ``issues`` (a one-line description of what was wrong with its records, or ``None``) and
-  ``steps_to_target`` (:mod:`analysis.targets`);
+  ``issues`` (a one-line description of what was wrong with its records, or ``None``),
+  ``steps_to_target`` (:mod:`analysis.targets`) and the doctor's verdict from ``diagnosis.json``
+  (:data:`DIAGNOSIS_COLUMNS`; ``diagnosis`` is its cause, else the summary's);
 * ``train``        logged training step (scalar keys only);
 * ``evals``        evaluation;
 * ``fidelity``     gradient-fidelity probe (cosine, rel_err, lost_frac against fp32);
@@ -39,9 +40,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from experiments.schema import (EVAL_FIELDS, FIDELITY_FIELDS, KIND_EVAL, KIND_FIDELITY,
-                                KIND_TRAIN, METRICS_NAME, SUMMARY_FIELDS, SUMMARY_NAME,
-                                TRAIN_FIELDS, Field, coerce)
+from experiments.schema import (DIAGNOSIS_FIELDS, DIAGNOSIS_NAME, EVAL_FIELDS, FIDELITY_FIELDS,
+                                KIND_EVAL, KIND_FIDELITY, KIND_TRAIN, METRICS_NAME,
+                                SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, Field, coerce)
 
 from analysis.targets import COLUMN as TARGET_COLUMN
 from analysis.targets import steps_to_target
@@ -51,6 +52,12 @@ STATUSES = ("completed", "diverged", "failed", "incomplete")
 
 #: Columns of the ``runs`` table taken from ``summary.json`` (in this order).
 SUMMARY_COLUMNS = tuple(k for k in SUMMARY_FIELDS if k != "fingerprint")
+
+#: Columns of the ``runs`` table from ``diagnosis.json`` (column -> its key there).
+DIAGNOSIS_COLUMNS = {"diagnosis": "cause", "diagnosis_module": "first_module",
+                     "diagnosis_verdict": "verdict", "diagnosis_fix": "fix",
+                     "diagnosis_error": "error"}
+_DIAGNOSIS_READ = {k: DIAGNOSIS_FIELDS[k] for k in DIAGNOSIS_COLUMNS.values()}
 
 #: Identity keys read from ``.hydra/overrides.yaml`` when the summary lacks them.
 IDENTITY_KEYS = ("strategy", "precision", "model", "data", "regime", "seed")
@@ -223,7 +230,8 @@ class Builder:
 
     def add_run(self, run_id: str, run_dir: str, raw_summary: Mapping[str, Any] | None,
                 lines: Iterable[Mapping[str, Any]], identity: Mapping[str, Any] | None = None,
-                issues: Sequence[str] = (), problems_from: int | None = None) -> None:
+                issues: Sequence[str] = (), problems_from: int | None = None,
+                raw_diagnosis: Mapping[str, Any] | None = None) -> None:
         issues = list(issues)
         found: list[str] = []  # bad values found here, one line each for ``problems``
         bad: Counter = Counter()
@@ -236,6 +244,13 @@ class Builder:
         src.update({k: v for k, v in (summary or {}).items() if v is not None})
         rec: dict[str, Any] = {"run_id": run_id, "run_dir": run_dir}
         rec.update({col: src.get(col) for col in SUMMARY_COLUMNS})
+        diag_bad: Counter = Counter()
+        diag = coerce_fields(_DIAGNOSIS_READ, raw_diagnosis or {}, diag_bad)
+        if diag_bad:
+            issues.append(describe_bad("diagnosis", diag_bad))
+            found.append(describe_bad(f"{run_dir}/{DIAGNOSIS_NAME}", diag_bad))
+        for col, key in DIAGNOSIS_COLUMNS.items():
+            rec[col] = diag.get(key) if diag.get(key) is not None else rec.get(col)
         rec["status"] = classify(summary)
         rec["summary_status"] = None if summary is None else summary.get("status")
         rec["workload"] = workload_of(src)

@@ -46,6 +46,7 @@ __all__ = [
     "build_data",
     "build_model",
     "build_optimizer",
+    "keep_gradients",
     "build_strategy",
     "build_precision",
     "strategy_label",
@@ -252,7 +253,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.kill_at_step must be null or an integer >= 1, got {kill!r}")
     _int(cfg, "train.max_consecutive_skips", 0, " (0 = off)")
     _int(cfg, "train.fidelity_every", 0, " (0 = off)")
-    for key in ("train.resume", "train.deterministic", "train.progress"):
+    for key in ("train.resume", "train.deterministic", "train.progress", "train.zero_grad"):
         if not isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
 
@@ -292,13 +293,36 @@ def build_model(cfg: DictConfig, data: Any) -> torch.nn.Module:
 
 def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer from ``cfg.optimizer``; a positive ``weight_decay`` applies to matrices only
-    (nanoGPT's groups, :func:`experiments.recipe.decay_groups`)."""
+    (nanoGPT's groups, :func:`experiments.recipe.decay_groups`). ``train.zero_grad: false`` makes
+    its ``zero_grad()`` a no-op (:func:`keep_gradients`: a loop bug on purpose)."""
     params = list(params)
     wd = OmegaConf.select(cfg, "optimizer.weight_decay", default=None)
     groups = decay_groups(params, float(wd)) if isinstance(wd, (int, float)) and wd > 0 else params
     opt = safe_instantiate(cfg.optimizer, "optimizer", params=groups, _convert_="all")  # groups as dicts
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError(f"optimizer._target_ must build a torch.optim.Optimizer, got {type(opt).__name__}")
+    if OmegaConf.select(cfg, "train.zero_grad", default=True) is False:
+        keep_gradients(opt)
+    return opt
+
+
+def _no_zero_grad(set_to_none: bool = True) -> None:
+    """``Optimizer.zero_grad`` that clears nothing (see :func:`keep_gradients`)."""
+
+
+def keep_gradients(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The "gradients not cleared" workload (``train.zero_grad: false``): ``opt.zero_grad()``
+    does nothing, as in a loop that forgot to call it, so every backward adds to ``.grad``.
+
+    With a loss scaler, ``unscale_`` divides the whole ``.grad`` by ``S`` each step, so the clean
+    part accumulates as ``g_t + g_{t-1}/S + ...``; but once one step overflows, its inf/NaN stays
+    in ``.grad`` (inf + x = inf): every later step is non-finite, skipped, and the scale halves
+    down to its floor — fairseq's "Minimum loss scale reached" / DeepSpeed's "Current loss scale
+    already at minimum" with no cause given, the complaint of issue 21. The missing
+    ``optimizer.zero_grad()`` is the commonest PyTorch training-loop bug (the PyTorch tutorials'
+    "Zeroing out gradients in PyTorch" recipe; the AMP examples call it every iteration).
+    """
+    opt.zero_grad = _no_zero_grad  # type: ignore[method-assign]  # instance attribute: this optimizer only
     return opt
 
 

@@ -6,7 +6,8 @@ the doctor (``strategies.doctor``) why, on the failing step's own batch, and wri
 ``diverged`` or ``stalled``, or a :class:`strategies.state.ScaleFloorError`, i.e.
 ``on_min_scale: raise``), never raises (a doctor that fails writes its one-line error instead,
 so a diagnosis can never hide the run's own result) and returns the :class:`Diagnosis` or
-``None``. Cost: the doctor's passes on one batch (two forward+backward, plus one backward per
+``None``. :func:`annotate` then appends the verdict's one line to the run's stop message, so
+``summary.json``'s ``error`` says why as well as what (and its ``diagnosis`` key holds the cause). Cost: the doctor's passes on one batch (two forward+backward, plus one backward per
 compared strategy), once per failed run.
 """
 
@@ -19,24 +20,45 @@ from typing import Any
 import torch
 
 from experiments.build import one_line
-from experiments.records import write_json_atomic
+from experiments.records import check, write_json_atomic
+from experiments.schema import DIAGNOSIS_FIELDS, DIAGNOSIS_NAME
 from strategies.doctor import DTYPES, Diagnosis, diagnose
 from strategies.state import ScaleFloorError
 
-__all__ = ["DIAGNOSIS_NAME", "TRIGGERS", "LR_WINDOW", "diagnose_run", "should_diagnose"]
+__all__ = ["DIAGNOSIS_NAME", "TRIGGERS", "LR_WINDOW", "annotate", "diagnose_run", "should_diagnose"]
 
-DIAGNOSIS_NAME = "diagnosis.json"
 TRIGGERS = ("diverged", "stalled")
 LR_WINDOW = 20
 """Steps of the learning-rate schedule the doctor sees, the failing step last."""
 
 
-def should_diagnose(status: str, error: BaseException | str | None = None) -> bool:
-    """A stalled or diverged run, or one a strategy ended at its scale floor (the exception, or the
-    loop's one-line error ``"ScaleFloorError: ..."``)."""
-    floor = isinstance(error, ScaleFloorError) or (
+def at_floor(error: BaseException | str | None) -> bool:
+    """A strategy ended the run at its scale floor: the exception, or the loop's one-line error
+    ``"ScaleFloorError: ..."``."""
+    return isinstance(error, ScaleFloorError) or (
         isinstance(error, str) and error.startswith(f"{ScaleFloorError.__name__}:"))
-    return status in TRIGGERS or floor
+
+
+def should_diagnose(status: str, error: BaseException | str | None = None) -> bool:
+    """A stalled or diverged run, or one a strategy ended at its scale floor (:func:`at_floor`)."""
+    return status in TRIGGERS or at_floor(error)
+
+
+def annotate(status: str, error: str | None, diag: Diagnosis | None) -> str | None:
+    """The run's one-line stop message with the doctor's verdict appended:
+    ``"<error>; doctor: <cause> at <module>: <verdict>; fix: <fix>"`` (:meth:`Diagnosis.one_line`).
+
+    ``error`` unchanged when there is no diagnosis or the run is not one the doctor diagnoses
+    (:func:`should_diagnose`); the verdict alone when the run stopped without a message.
+    """
+    if diag is None or not should_diagnose(status, error):
+        return error
+    verdict = one_line(diag.one_line())
+    return f"{error}; {verdict}" if error else verdict
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    write_json_atomic(path, check(DIAGNOSIS_FIELDS, record))
 
 
 def diagnose_run(
@@ -67,9 +89,14 @@ def diagnose_run(
     name = str(getattr(precision, "name", precision))
     record: dict[str, Any] = {"status": status, "step": step}
     if name not in DTYPES:
-        write_json_atomic(path, {**record, "error": f"the doctor diagnoses {', '.join(DTYPES)} runs, not {name}"})
+        _write(path, {**record, "error": f"the doctor diagnoses {', '.join(DTYPES)} runs, not {name}"})
         return None
     enabled = bool(getattr(scaler, "is_enabled", lambda: True)())
+    # A strategy's floor error is raised in step(), before the loop clears .grad: the failing
+    # step's own gradients are set aside, so the doctor does not take them for accumulated ones.
+    grads = [(p, p.grad) for p in model.parameters()] if at_floor(error) else []
+    for p, _ in grads:
+        p.grad = None
     try:
         diagnosis = diagnose(
             model, lambda m, b: loss_fn(m(b["x"]), b["y"]) * b["m"], batch, precision=name,
@@ -77,7 +104,10 @@ def diagnose_run(
             lr_history=[lr_for(s) for s in range(max(1, step - LR_WINDOW + 1), step + 1)],
         )
     except Exception as exc:  # noqa: BLE001 - the run's own result must survive a failing doctor
-        write_json_atomic(path, {**record, "error": one_line(f"{type(exc).__name__}: {exc}")[:500]})
+        _write(path, {**record, "error": one_line(f"{type(exc).__name__}: {exc}")[:500]})
         return None
-    write_json_atomic(path, {**record, **diagnosis.to_json_dict()})
+    finally:
+        for p, g in grads:
+            p.grad = g
+    _write(path, {**record, **diagnosis.to_dict()})  # non-finite numbers as NaN/Infinity, as every record
     return diagnosis

@@ -11,7 +11,9 @@ the format's range. The faults and where they come from:
 * ``nan_in_data_or_loss`` — a NaN entry in the batch (a broken data pipeline), or a loss that is
   non-finite in fp32 (``log(0)``).
 * ``grads_not_cleared`` — the step runs on a model (MLP or GPT) whose ``.grad`` holds ``k``
-  earlier steps' gradients (the missing ``optimizer.zero_grad()`` loop bug).
+  earlier steps' gradients (the missing ``optimizer.zero_grad()`` loop bug), or an earlier
+  step's fp16 overflow (a scaled backward at 2^16 of a loss 1e5x too large: the skipped step's
+  inf stays in ``.grad`` — what ``train.zero_grad=false`` does in a real run).
 * ``lr_spike`` — twenty SGD steps at the schedule's rate, one at 300x it, then the doctor, given
   that learning-rate history.
 * ``gradient_overflow`` — a sum-reduced loss (``reduction="sum"``, MLP or GPT) whose gradient
@@ -140,9 +142,19 @@ def _accumulated_cases(seed: int) -> list[Case]:
             return model, _ce, batch, {}
         return build
 
+    def kept_overflow(width: int) -> Callable:
+        def build() -> tuple:
+            model, batch = _mlp(seed, width)
+            with torch.autocast("cpu", dtype=torch.float16):  # an earlier step that overflowed (skipped)
+                (_ce(model, batch) * 1e5 * 2.0**16).backward()
+            return model, _ce, batch, {}
+        return build
+
     return ([Case(f"grads_not_cleared/mlp{w}/k{k}/s{seed}", "grads_not_cleared", None, build_for(w, k))
              for w, k in ((32, 4), (64, 10))]
-            + [Case(f"grads_not_cleared/gpt32/k4/s{seed}", "grads_not_cleared", None, gpt(4))])
+            + [Case(f"grads_not_cleared/gpt32/k4/s{seed}", "grads_not_cleared", None, gpt(4))]
+            + [Case(f"overflow_kept_in_grad/mlp{w}/s{seed}", "grads_not_cleared", None, kept_overflow(w))
+               for w in (32, 64)])
 
 
 def _lr_spike_cases(seed: int) -> list[Case]:

@@ -57,7 +57,8 @@ def hf_forward_hook_first(model: torch.nn.Module, loss_fn: Callable, batch: Any,
 def min_scale_line(model: torch.nn.Module, loss_fn: Callable, batch: Any, precision: str = "fp16") -> bool:
     """Would DeepSpeed/fairseq/Megatron print "Minimum loss scale reached"? Their scale halves on
     every overflow down to the minimum 1; the line fires when the step still overflows there:
-    the mixed gradient of this step at S = 1 is non-finite."""
+    the gradient the scaler checks at S = 1 is non-finite: this step's mixed gradient plus what
+    ``.grad`` already held (a loop that never clears it keeps an earlier overflow there)."""
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.autocast("cpu", dtype=dtype):
@@ -65,7 +66,8 @@ def min_scale_line(model: torch.nn.Module, loss_fn: Callable, batch: Any, precis
     if not bool(torch.isfinite(loss).all()):
         return True
     grads = torch.autograd.grad(loss.float(), params, allow_unused=True)
-    return not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+    held = [g if p.grad is None else (p.grad if g is None else g + p.grad) for p, g in zip(params, grads)]
+    return not all(g is None or bool(torch.isfinite(g).all()) for g in held)
 
 
 @dataclass
@@ -202,6 +204,13 @@ registered strategy would choose, and the cause, from this decision list (first 
 
 ## Accuracy on the labelled fault suite
 
+**Read these numbers as an upper bound, not as an independent benchmark.** Every fault in the
+suite is planted by construction (scaled weights, scaled or summed losses, NaN entries, gradients
+left in `.grad`, a jump in the learning-rate history), and the decision list was written alongside
+the suite by the same hands, so the doctor is scored on faults that look exactly like the ones it
+was built to recognise. Faults in the wild are messier (several at once, a cause outside the list);
+no held-out set of real failures has been measured.
+
 {len(results)} cases ({len(SEEDS)} seeds, two or more sizes per fault; `experiments/doctor_cases.py`
 says where each fault comes from). Right cause **{100 * cause_acc:.1f}%** (target 90%), right first
 module **{100 * module_acc:.1f}%** (target 80%, over the cases whose first module is defined by
@@ -225,14 +234,27 @@ says why.
 | attention-logit growth, and its fix | `model=gpt_logit_growth optimizer.lr=0.3 optimizer.weight_decay=0 train.grad_clip=0` (see its YAML), then `model.qk_norm=true` | Wortsman et al. 2023 |
 | NaN batch | `regime=nan_batch data=vectors model=mlp` (`data.nan_prob`) | broken data pipelines behind "Minimum loss scale reached" reports |
 | fp16 policy gradient, small advantages | `regime=small_advantage`; the REINFORCE toy in this suite | fp16 RL fine-tuning |
-| gradients not cleared | this suite only (the loop always clears) | the missing `zero_grad()` loop bug |
+| gradients not cleared | `train.zero_grad=false` (`experiments.build.keep_gradients`: `zero_grad()` a no-op); `+experiment=doctor_grads_not_cleared model=mlp data=vectors` starts the scaler above the safe scale, so the first overflow stays in `.grad` and the run stalls (the doctor: `grads_not_cleared`) | the missing `zero_grad()` loop bug; the "Current loss scale already at minimum" reports |
+| loss spike at the learning-rate peak | `+experiment=doctor_lr_spike` (warmup of 8 steps to lr 3.0, no clipping): skips on the way up, diverges at the peak (the doctor: `lr_spike`) | Wortsman et al. 2023; OPT-175B logbook; PaLM (Chowdhery et al. 2022) Sec. 5.1 |
+| fp8 where per-tensor casting matters | `+experiment=doctor_fp8_cast precision.cast_scaling=none` vs `=current` (fp8-E4M3 GPT, no loss scale): without cast scaling most activation-gradient entries round to zero | Micikevicius et al. 2022 (FP8 formats); TransformerEngine recipes |
+
+Each is tested in a real short run (`tests/doctor/test_loop_bugs.py`, `test_lr_peak.py`,
+`test_fp8_cast.py`, `test_cli.py`). They are separate experiment configs, not part of
+`compare_full`'s grid: they fail (or, for fp8, lose the gradient) by design for every loss-scaling
+strategy, so as `compare_full` cells they would add stalled or diverged runs to the ranking rather
+than a comparison of strategies.
 
 ## Automatic use
 
 `experiments.diagnosis.diagnose_run(...)`, called by the training loop once a run ends, writes
 `diagnosis.json` (the fields of `--json`, plus `status` and `step`) when the run stalled
 (`train.max_consecutive_skips`), diverged, or a strategy stopped at its floor
-(`on_min_scale: raise`); it never raises.
+(`on_min_scale: raise`); it never raises. `diagnosis.annotate(status, error, diag)` appends the
+verdict's one line (`...; doctor: <cause> at <module>: <verdict>; fix: <fix>`) to the run's stop
+message in `summary.json`'s `error`, whose `diagnosis` key holds the cause. `scalelab-report` shows
+every diagnosed run in its **Diagnoses** table (run, status, cause, first module, verdict, fix) and
+in `runs.csv` (`diagnosis`, `diagnosis_module`, `diagnosis_verdict`, `diagnosis_fix`,
+`diagnosis_error`); a bad `diagnosis.json` is a listed bad record (docs/report.md).
 
 ## Limits
 
@@ -241,6 +263,13 @@ says why.
 * `grads_not_cleared` needs the `.grad` the step started with: the API sees it, a run directory
   does not (checkpoints hold no gradients).
 * `lr_spike` needs the learning-rate history (`lr_history`; the CLI passes the configured schedule).
+  A scale-independent overflow at the peak of a fast rise (the rate at least doubled within the
+  last 20 steps) is blamed on the rate: an overflow that the initial weights already cause, seen
+  first at step 3 or later of a warmup, would be too (the loop stops such a run at step 2, where two
+  rates are never a spike).
+* A strategy's floor error is raised inside `step()`, before the loop clears `.grad`: the failing
+  step's own gradients are set aside for the doctor, so accumulated gradients of a
+  `train.zero_grad=false` run that also stops at its floor are not seen (a stalled one's are).
 * The suite's faults are planted by construction (scaled weights, scaled losses, NaN entries);
   the decision list was written alongside it, so its accuracy is an upper bound for faults
   that look like these.

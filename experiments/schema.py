@@ -9,6 +9,8 @@ A run directory holds::
     summary.json     SUMMARY_FIELDS, written atomically at start (status "running") and at the end
     metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train"), EVAL_FIELDS (kind "eval")
                      or FIDELITY_FIELDS (kind "fidelity", every train.fidelity_every steps)
+    diagnosis.json   DIAGNOSIS_FIELDS: the doctor's verdict on the failing step of a stalled, diverged
+                     or scale-floor run (strategies.doctor; written by experiments.diagnosis)
     checkpoint.pt    model, optimizer, strategy, RNG, step, config (torch.load(weights_only=True))
     run.lock         held (flock) by the one process writing this directory, for the run's lifetime
     replaced-<n>/    the records of an earlier run moved aside by a start at step 0, renamed
@@ -26,6 +28,8 @@ from typing import Any, Mapping
 
 __all__ = [
     "CHECKPOINT_NAME",
+    "DIAGNOSIS_FIELDS",
+    "DIAGNOSIS_NAME",
     "LOCK_NAME",
     "REPLACED_PREFIX",
     "REPLACED_SUFFIX",
@@ -44,6 +48,7 @@ __all__ = [
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 CHECKPOINT_NAME = "checkpoint.pt"
+DIAGNOSIS_NAME = "diagnosis.json"
 LOCK_NAME = "run.lock"
 REPLACED_PREFIX = "replaced-"
 REPLACED_SUFFIX = ".old"
@@ -67,8 +72,8 @@ class Field:
     """One key of a record: its name, its type and what it means.
 
     ``type`` is one of ``int``, ``float``, ``bool``, ``str``, ``"float_list"``, ``"str_list"``,
-    ``"float_map"`` (layer name -> float), ``"dict"`` (a nested record); ``optional`` fields may be
-    absent or null.
+    ``"float_map"`` (layer name -> float), ``"dict"`` (a nested record), ``"list"`` (a list of
+    nested records); ``optional`` fields may be absent or null.
     """
 
     name: str
@@ -149,8 +154,29 @@ SUMMARY_FIELDS = _fields(
     Field("fidelity_rel_err_mean", float, "mean relative error over the fidelity probes", optional=True),
     Field("fidelity_lost_frac_mean", float, "mean lost fraction over the fidelity probes", optional=True),
     Field("fidelity_time_s", float, "total wall time of the fidelity probes", optional=True),
+    Field("diagnosis", str, "the doctor's cause (one of strategies.doctor.CAUSES) when it diagnosed the run", optional=True),
     Field("diverged", bool, "status == diverged"),
     Field("fingerprint", "dict", "git_sha, git_dirty, config, overrides, torch_version, device, hostname"),
+)
+
+DIAGNOSIS_FIELDS = _fields(
+    Field("status", str, "the run's status when the doctor ran (diverged, stalled or failed)"),
+    Field("step", int, "the failing step (the batch diagnosed)"),
+    Field("error", str, "one-line reason the doctor could not run (then no verdict keys)", optional=True),
+    Field("cause", str, "one of strategies.doctor.CAUSES", optional=True),
+    Field("verdict", str, "the verdict in words", optional=True),
+    Field("fix", str, "the fix, with its evidence in evidence", optional=True),
+    Field("precision", str, "fp16 or bf16", optional=True),
+    Field("scale", float, "the loss scale diagnosed (the strategy's at the failing step)", optional=True),
+    Field("first_module", str, "the first module whose output or gradient left the format's range", optional=True),
+    Field("tensor", str, "which tensor of it (output, activation or parameter gradient)", optional=True),
+    Field("value", float, "its value (fp32 recomputation; lost fraction for underflow)", optional=True),
+    Field("evidence", "str_list", "the measurements the verdict rests on, one line each", optional=True),
+    Field("per_layer", "list", "per layer and scale: lost fraction and cosine against fp32", optional=True),
+    Field("strategy_scales", "float_map", "the scale each registered strategy would choose", optional=True),
+    Field("not_compared", "dict", "strategies not compared, with the reason", optional=True),
+    Field("passes", "dict", "forward and backward passes the doctor ran", optional=True),
+    Field("exit_code", int, "scalelab-doctor's exit code for this cause", optional=True),
 )
 
 
@@ -194,6 +220,8 @@ def coerce(field: Field, value: Any) -> Any:
         return {str(k): x for k, v in value.items() if (x := _number(v)) is not None}
     if t == "dict":
         return dict(value) if isinstance(value, Mapping) else None
+    if t == "list":
+        return list(value) if isinstance(value, list) else None
     raise AssertionError(f"unknown field type {t!r}")
 
 

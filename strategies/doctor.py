@@ -39,9 +39,13 @@ gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
    already wrote NaN into the weights) holds NaN/Inf, or the fp32 forward itself is non-finite
    (the loss, not the format, is broken);
 2. ``grads_not_cleared`` — the parameters held gradients before the step whose norm is at least
-   ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing);
+   ``2x`` this step's fp32 gradient norm (accumulated over steps: ``zero_grad`` missing), or
+   non-finite ones (an earlier overflow left in ``.grad``: every later step overflows too);
 3. ``lr_spike`` — the step overflows (forward or backward) and the last learning rate of
-   ``lr_history`` (at least three rates) is at least ``2x`` the largest of the earlier ones;
+   ``lr_history`` (at least three rates) is at least ``2x`` the largest of the earlier ones (a
+   jump); or the overflow is scale-independent (forward, or backward at ``S = 1`` too) and the
+   last rate is the window's peak and at least ``2x`` its smallest (a loss spike at the peak of
+   a short warmup to a high learning rate; the scaler's own probing during a warmup is not one);
 4. ``forward_overflow`` — the mixed forward is non-finite while the fp32 forward is finite
    (no loss scale can help: the scale acts on the backward only);
 5. ``gradient_overflow`` — the backward overflows at ``S`` *and* at ``S = 1``: genuine
@@ -211,14 +215,22 @@ def _current_scale(scaler: Any) -> float:
         return float(scaler.output_scale())
 
 
-def _lr_spike(lr_history: Sequence[float] | None) -> float | None:
-    """``lr_now / max(earlier)`` when it is at least :data:`LR_SPIKE_RATIO` (at least three rates
-    given, so a linear warmup, whose step-to-step ratio is below 2 from its third step, is no spike)."""
+def _lr_spike(lr_history: Sequence[float] | None, scale_independent: bool) -> tuple[float, str] | None:
+    """``(ratio, "largest")`` when ``lr_now / max(earlier)`` is at least :data:`LR_SPIKE_RATIO` (a
+    jump); for a ``scale_independent`` overflow also ``(ratio, "smallest")`` when ``lr_now`` is the
+    window's peak and ``lr_now / min(earlier)`` is at least that (a fast rise to the peak). At least
+    three rates: an overflow at the second step (e.g. from the initial weights) is never a spike,
+    nor, through the jump rule, a linear warmup (its step-to-step ratio is below 2 from step 3)."""
     if not lr_history or len(lr_history) < 3:
         return None
-    peak = max(float(v) for v in lr_history[:-1])
-    ratio = float(lr_history[-1]) / peak if peak > 0 else float("inf")
-    return ratio if ratio >= LR_SPIKE_RATIO else None
+    now, earlier = float(lr_history[-1]), [float(v) for v in lr_history[:-1]]
+    for ref, word in ((max(earlier), "largest"), (min(earlier), "smallest")):
+        if word == "smallest" and (not scale_independent or now < max(earlier)):
+            break
+        ratio = now / ref if ref > 0 else float("inf")
+        if ratio >= LR_SPIKE_RATIO:
+            return ratio, word
+    return None
 
 
 def _is_attention(name: str) -> bool:
@@ -276,8 +288,8 @@ def _decide(m: Measured, model: torch.nn.Module, params: list[torch.nn.Parameter
     diag = Diagnosis(cause="healthy", verdict="", fix="", precision=precision, scale=S, per_layer=m.per_layer,
                      strategy_scales=m.chosen, not_compared=m.skipped, passes=m.passes)
     evidence = diag.evidence
-    spike = _lr_spike(lr_history)
     overflow = not m.fwd_finite or not m.grads_finite
+    spike = _lr_spike(lr_history, not m.fwd_finite or (not m.grads_finite and not m.at_one_finite))
     safe = safe_scale(fmax, m.ref_rec, m.ref)
 
     # 1. NaN/Inf in the data, the weights or the loss itself.
@@ -292,10 +304,16 @@ def _decide(m: Measured, model: torch.nn.Module, params: list[torch.nn.Parameter
         diag.fix = ("drop or repair the batch (check the data pipeline for NaN/Inf), guard the loss "
                     "(e.g. log(x + eps)); skip such batches instead of letting the scaler back off")
     # 2. Gradients accumulated over steps.
-    elif m.prior_norm > 0 and m.ref_norm > 0 and m.prior_norm >= ACCUMULATED_RATIO * m.ref_norm:
+    elif not math.isfinite(m.prior_norm) or (
+            m.prior_norm > 0 and m.ref_norm > 0 and m.prior_norm >= ACCUMULATED_RATIO * m.ref_norm):
         diag.cause = "grads_not_cleared"
-        evidence.append(f"the parameters already held gradients of norm {m.prior_norm:.4g} before this step, "
-                        f"{m.prior_norm / m.ref_norm:.1f}x this step's fp32 gradient norm {m.ref_norm:.4g}")
+        if math.isfinite(m.prior_norm):
+            evidence.append(f"the parameters already held gradients of norm {m.prior_norm:.4g} before this step, "
+                            f"{m.prior_norm / m.ref_norm:.1f}x this step's fp32 gradient norm {m.ref_norm:.4g}")
+        else:
+            evidence.append(f"the parameters already held non-finite gradients before this step (norm {m.prior_norm:g}): "
+                            "an earlier overflow stayed in .grad, so every later step overflows and is skipped, "
+                            "and the scale falls to its floor whatever it is")
         diag.verdict = "gradients are accumulating across steps: .grad was never cleared"
         diag.fix = "call optimizer.zero_grad(set_to_none=True) after every optimizer step (or every accumulation window)"
     # 3. A learning-rate spike that made the step overflow.
@@ -305,10 +323,11 @@ def _decide(m: Measured, model: torch.nn.Module, params: list[torch.nn.Parameter
         first = m.rec.forward_first if not m.fwd_finite else m.back_first
         if first is not None:
             diag.first_module, diag.tensor = first[0], first[1]
-        evidence.append(f"learning rate {lr_history[-1]:g} is {spike:.1f}x the largest of the previous "
+        evidence.append(f"learning rate {lr_history[-1]:g} is {spike[0]:.1f}x the {spike[1]} of the previous "
                         f"{len(lr_history) - 1} steps, and this step overflows in the "
                         f"{'forward' if not m.fwd_finite else 'backward'} pass")
-        diag.verdict = "the step overflows right after a learning-rate spike"
+        diag.verdict = ("the step overflows right after a learning-rate spike" if spike[1] == "largest" else
+                        "the step overflows at the peak of a fast learning-rate rise (a loss spike at the LR peak)")
         diag.fix = "lower the peak learning rate or lengthen the warmup; add gradient clipping"
     # 4. Forward overflow: scale-independent by construction.
     elif not m.fwd_finite:

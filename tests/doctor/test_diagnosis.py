@@ -10,8 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from experiments.diagnosis import DIAGNOSIS_NAME, diagnose_run, should_diagnose
+from experiments import schema
+from experiments.diagnosis import DIAGNOSIS_NAME, annotate, diagnose_run, should_diagnose
 from experiments.models import MLP
+from strategies.doctor import CAUSES
+from tests.experiments.runs import run_tiny
+from tests.experiments.test_records import DOC, _documented
 from strategies.state import ScaleFloorError
 
 
@@ -79,7 +83,58 @@ def test_a_strategy_stopped_at_its_floor_is_diagnosed_at_that_floor(tmp_path: Pa
     scaler.update()  # the overflow at the floor: recorded, raised at the next host read
     with pytest.raises(ScaleFloorError):
         scaler.get_scale()
-    model.zero_grad(set_to_none=True)
+    # The floor error leaves the failing step's own (non-finite) gradients in .grad, as in the
+    # loop: they are set aside, not taken for accumulated ones, and put back afterwards.
+    held = [p.grad for p in model.parameters()]
+    assert any(not torch.isfinite(g).all() for g in held)
     d = diagnose_run(tmp_path, model, loop_loss, batch, "fp16", scaler, lambda s: 1e-3, 1,
                      "failed", "ScaleFloorError: native: step 1: ...")
     assert d is not None and d.scale == 1.0 and d.cause == "gradient_overflow" and d.first_module == "head"
+    assert all(p.grad is g for p, g in zip(model.parameters(), held))
+
+
+def test_annotate_appends_the_verdict_to_the_stop_message(tmp_path: Path) -> None:
+    """The loop's stop message gains the doctor's one line; runs it did not diagnose keep theirs."""
+    model, batch = setup(nan=True)
+    d = diagnose_run(tmp_path, model, loop_loss, batch, "fp16", strategies.create("native"), lambda s: 1e-3, 4, "stalled",
+                     "skipped 3 steps in a row")
+    assert d is not None
+    line = annotate("stalled", "skipped 3 steps in a row", d)
+    assert line == f"skipped 3 steps in a row; {d.one_line()}" and "\n" not in line
+    assert line.split("; doctor: ", 1)[1].startswith("nan_in_data_or_loss")
+    assert annotate("diverged", None, d) == d.one_line()
+    assert annotate("failed", "ScaleFloorError: native: step 4", d).endswith(d.one_line())
+    assert annotate("completed", None, d) is None  # not a run the doctor diagnoses
+    assert annotate("failed", "RuntimeError: boom", d) == "RuntimeError: boom"
+    assert annotate("stalled", "skipped 3 steps in a row", None) == "skipped 3 steps in a row"
+
+
+def test_diagnosis_json_follows_the_schema(tmp_path: Path) -> None:
+    model, batch = setup(nan=True)
+    diagnose_run(tmp_path, model, loop_loss, batch, "fp16", strategies.create("native"), lambda s: 1e-3, 4, "stalled")
+    data = json.loads((tmp_path / schema.DIAGNOSIS_NAME).read_text())
+    assert set(data) <= set(schema.DIAGNOSIS_FIELDS) and data["cause"] in CAUSES
+    assert all(schema.coerce(schema.DIAGNOSIS_FIELDS[k], v) is not None for k, v in data.items() if v is not None)
+
+
+def test_run_records_doc_lists_the_diagnosis_fields() -> None:
+    assert _documented("## `diagnosis.json`", "## Loggers") == set(schema.DIAGNOSIS_FIELDS)
+    assert f"`{schema.DIAGNOSIS_NAME}`" in DOC.read_text()
+
+
+LOOP_WIRED = False
+"""Set to True at merge, when experiments/loop.py runs ``diag = diagnosis.diagnose_run(...)`` before
+``make_summary`` and ``summary = {**make_summary(status, diagnosis.annotate(status, error, diag)), ...}``."""
+
+
+@pytest.mark.xfail(not LOOP_WIRED, strict=True, reason="the loop's two lines are wired at merge (see LOOP_WIRED)")
+def test_a_stalled_runs_stop_message_ends_with_the_verdict(tmp_path: Path) -> None:
+    summary, _ = run_tiny(tmp_path / "run", "model=gpt_ffn_overflow", "model.ffn_gain=3000", "train.steps=4",
+                          "train.checkpoint_every=2", "train.log_every=2", "train.eval_every=0", model="gpt")
+    assert summary["status"] == "stalled" and summary["diagnosis"] == "forward_overflow"
+    assert summary["error"].startswith("forward overflow: ")
+    assert summary["error"].endswith("; doctor: forward_overflow at blocks.0.fc_out: forward overflow in fp16 at "
+                                     "blocks.0.fc_out: no loss scale can fix it; fix: keep blocks.0.fc_out in fp32 "
+                                     "(run its forward under torch.autocast(..., enabled=False) on a .float() input, "
+                                     "as HF keeps T5's `wo` via _keep_in_fp32_modules), or train in bf16")
+    assert json.loads((tmp_path / "run" / schema.SUMMARY_NAME).read_text())["diagnosis"] == "forward_overflow"

@@ -65,3 +65,13 @@ def test_docs_are_generated_from_the_results(tmp_path) -> None:
     assert doctor_eval.table(results) in text and "Minimum loss scale reached" in text
     assert "| forward_overflow | 3 |" in text and "`blocks.0.fc_out`" in text
     torch.manual_seed(0)
+
+
+def test_min_scale_line_fires_on_an_overflow_kept_in_grad() -> None:
+    """The scaler checks .grad, which a loop that never clears it still holds an overflow in."""
+    case = next(c for c in CASES if c.name.startswith("overflow_kept_in_grad"))
+    model, loss_fn, batch, _ = case.build()
+    assert doctor_eval.min_scale_line(model, loss_fn, batch)
+    for p in model.parameters():
+        p.grad = None
+    assert not doctor_eval.min_scale_line(model, loss_fn, batch)
