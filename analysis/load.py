@@ -31,6 +31,8 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+import yaml  # PyYAML ships with hydra-core/omegaconf
+
 from experiments.schema import DIAGNOSIS_NAME, METRICS_NAME, SUMMARY_NAME
 
 from analysis.runset import (IDENTITY_KEYS, Builder, RunLoadError, RunSet, line_problem,
@@ -252,7 +254,6 @@ def hydra_identity(run_dir: Path, problems: list[str]) -> dict[str, Any]:
                         "summary only")
         return {}
     try:
-        import yaml  # PyYAML ships with hydra-core/omegaconf
 
         overrides = yaml.safe_load(data.decode("utf-8", errors="replace")) or []
     except Exception:  # noqa: BLE001 - identity is best effort; the run is still listed

@@ -356,3 +356,23 @@ def run_labels(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> dic
     }
     names["workload"] = f"{names['model']}/{names['data']}/{names['regime']}"
     return names
+
+
+def instantiate_loggers(logger_cfg: DictConfig | dict, run: _loggers.RunInfo) -> list[_loggers.Logger]:
+    """Every ``_target_`` entry of ``logger_cfg`` built with ``run=run`` (entries without one are skipped)."""
+    loggers: list[_loggers.Logger] = []
+    for key, node in (logger_cfg or {}).items():
+        if not isinstance(node, (dict, DictConfig)):
+            raise ConfigError(f"logger.{key} must be a logger config with a _target_, got {node!r}")
+        if "_target_" in node:
+            # A partial, then the run: the run's config must never pass through instantiate itself
+            # (it holds the other groups' _target_s).
+            make = safe_instantiate(node, f"logger.{key}", _convert_="all", _partial_=True)
+            try:
+                logger = make(run=run)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"logger.{key}: {one_line(exc)}") from None
+            if not all(callable(getattr(logger, m, None)) for m in ("log", "finish")):
+                raise ConfigError(f"logger.{key}._target_ must build a logger (log() and finish()), got {type(logger).__name__}")
+            loggers.append(logger)
+    return loggers

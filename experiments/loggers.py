@@ -9,7 +9,7 @@ each with a ``_target_``::
       project: scalelab
       mode: offline
 
-:func:`instantiate_loggers` builds every entry through the restricted instantiate of
+:func:`experiments.build.instantiate_loggers` builds every entry through the restricted instantiate of
 ``experiments/build.py`` (so only allow-listed classes), passing the run's :class:`RunInfo`; the
 app never picks a logger by name. A logger has two methods: ``log(row)`` (one ``metrics.jsonl``
 line) and ``finish(summary, exit_code)``. The local run record is written by
@@ -24,12 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
-
 from experiments import schema
 from experiments.records import redact
 
-__all__ = ["Logger", "RunInfo", "WandbLogger", "instantiate_loggers"]
+__all__ = ["Logger", "RunInfo", "WandbLogger"]
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -51,28 +49,6 @@ class RunInfo:
     job_type: str
     name: str
     tags: list[str] = field(default_factory=list)
-
-
-def instantiate_loggers(logger_cfg: DictConfig | dict, run: RunInfo) -> list[Logger]:
-    """Every ``_target_`` entry of ``logger_cfg`` built with ``run=run`` (entries without one are skipped)."""
-    from experiments.build import ConfigError, one_line, safe_instantiate
-
-    loggers: list[Logger] = []
-    for key, node in (logger_cfg or {}).items():
-        if not isinstance(node, (dict, DictConfig)):
-            raise ConfigError(f"logger.{key} must be a logger config with a _target_, got {node!r}")
-        if "_target_" in node:
-            # A partial, then the run: the run's config must never pass through instantiate itself
-            # (it holds the other groups' _target_s).
-            make = safe_instantiate(node, f"logger.{key}", _convert_="all", _partial_=True)
-            try:
-                logger = make(run=run)
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"logger.{key}: {one_line(exc)}") from None
-            if not all(callable(getattr(logger, m, None)) for m in ("log", "finish")):
-                raise ConfigError(f"logger.{key}._target_ must build a logger (log() and finish()), got {type(logger).__name__}")
-            loggers.append(logger)
-    return loggers
 
 
 def _flatten(row: dict, prefix: str = "") -> dict:

@@ -318,10 +318,12 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo,
         hooks.remove()
         if callable(getattr(strategy, "detach", None)):
             strategy.detach()
-        # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises); ``diag`` is
-        # its verdict (or None), for the summary made just below from ``status, error``.
+        # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises); its verdict
+        # ends the summary's one-line error and its cause is the summary's ``diagnosis``.
         diag = diagnosis.diagnose_run(rec.rundir.path, raw_model, _loss_fn, batch, precision, strategy, parts.lr_for,
                                       step, status, error) if info.is_main else None
-        summary = rec.summary(status, error)
+        summary = rec.summary(status, diagnosis.annotate(status, error, diag))
+        if diag is not None:
+            summary["diagnosis"] = diag.cause
         rec.finish(summary, exit_code)
     return summary

@@ -24,8 +24,9 @@ from omegaconf import DictConfig
 
 from experiments import checkpoint as ckpt
 from experiments import records, schema, telemetry
+from experiments.build import instantiate_loggers
 from experiments.config import RunConfig
-from experiments.loggers import RunInfo, instantiate_loggers
+from experiments.loggers import RunInfo
 from experiments.rundir import RunDir
 
 __all__ = ["Recorder", "LossWindow", "say"]

@@ -36,12 +36,7 @@ OPTIONAL = {
 }
 """Imported module -> why it is imported inside a function (an optional dependency)."""
 
-PENDING = {
-    ("experiments/loggers.py", "experiments.build"):
-        "circle loggers -> build -> loggers (build's allow-list holds WandbLogger): move instantiate_loggers "
-        "into experiments/build.py and import it from there in experiments/loop.py (files of other helpers)",
-    ("analysis/load.py", "yaml"): "plain laziness (PyYAML comes with omegaconf): move to the top of the file",
-}
+PENDING: dict[tuple[str, str], str] = {}
 """Function-level imports in files other branches own, to be fixed at their merge (then removed here:
 :func:`test_pending_entries_are_still_there` fails once one is fixed)."""
 

@@ -15,7 +15,7 @@ from experiments.diagnosis import DIAGNOSIS_NAME, annotate, diagnose_run, should
 from experiments.models import MLP
 from strategies.doctor import CAUSES
 from tests.experiments.runs import run_tiny
-from tests.experiments.test_records import DOC, _documented
+from tests.experiments.runs import DOC, documented
 from strategies.state import ScaleFloorError
 
 
@@ -118,16 +118,10 @@ def test_diagnosis_json_follows_the_schema(tmp_path: Path) -> None:
 
 
 def test_run_records_doc_lists_the_diagnosis_fields() -> None:
-    assert _documented("## `diagnosis.json`", "## Loggers") == set(schema.DIAGNOSIS_FIELDS)
+    assert documented("## `diagnosis.json`", "## Loggers") == set(schema.DIAGNOSIS_FIELDS)
     assert f"`{schema.DIAGNOSIS_NAME}`" in DOC.read_text()
 
 
-LOOP_WIRED = False
-"""Set to True at merge, when experiments/loop.py runs ``diag = diagnosis.diagnose_run(...)`` before
-``make_summary`` and ``summary = {**make_summary(status, diagnosis.annotate(status, error, diag)), ...}``."""
-
-
-@pytest.mark.xfail(not LOOP_WIRED, strict=True, reason="the loop's two lines are wired at merge (see LOOP_WIRED)")
 def test_a_stalled_runs_stop_message_ends_with_the_verdict(tmp_path: Path) -> None:
     summary, _ = run_tiny(tmp_path / "run", "model=gpt_ffn_overflow", "model.ffn_gain=3000", "train.steps=4",
                           "train.checkpoint_every=2", "train.log_every=2", "train.eval_every=0", model="gpt")

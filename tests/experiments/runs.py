@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,21 @@ from omegaconf import DictConfig, open_dict
 
 from experiments.loop import run
 from experiments.train import CONF_DIR
+
+DOC = CONF_DIR.parent / "docs" / "run-records.md"
+"""The run-record format page, whose tables list the schema's fields."""
+
+
+def documented(start: str, end: str) -> set[str]:
+    """The backticked keys of the table rows of DOC's section from ``start`` to ``end``."""
+    text = DOC.read_text()
+    section = text[text.index(start): text.index(end, text.index(start))]
+    keys: set[str] = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            keys.update(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
+    return keys
+
 
 REPO = CONF_DIR.parent
 

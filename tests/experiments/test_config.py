@@ -17,10 +17,11 @@ from experiments.build import (
     build_precision,
     build_strategy,
     check_targets,
+    instantiate_loggers,
     strategy_label,
     validate,
 )
-from experiments.loggers import RunInfo, instantiate_loggers
+from experiments.loggers import RunInfo
 from experiments.precision import Precision
 from experiments.train import GROUPS, group_options
 from tests.experiments.runs import QUIET, TINY, compose_cfg

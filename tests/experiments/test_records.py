@@ -13,19 +13,9 @@ import torch
 import strategies
 from experiments import records, schema, telemetry
 from experiments.train import CONF_DIR
+from tests.experiments.runs import DOC, documented
 
-DOC = CONF_DIR.parent / "docs" / "run-records.md"
 EXPERIMENTS = CONF_DIR.parent / "experiments"
-
-
-def _documented(start: str, end: str) -> set[str]:
-    text = DOC.read_text()
-    section = text[text.index(start): text.index(end, text.index(start))]
-    keys: set[str] = set()
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            keys.update(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
-    return keys
 
 
 @pytest.mark.parametrize(
@@ -38,7 +28,7 @@ def _documented(start: str, end: str) -> set[str]:
     ],
 )
 def test_documented_keys_are_the_schemas_fields(fields: dict, start: str, end: str) -> None:
-    assert _documented(start, end) == set(fields)
+    assert documented(start, end) == set(fields)
 
 
 def test_documented_statuses_and_file_names_are_the_schemas() -> None:
