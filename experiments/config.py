@@ -46,6 +46,7 @@ class TrainConfig:
     resume: bool
     deterministic: bool
     progress: bool
+    zero_grad: bool  # false: the optimizer's zero_grad() clears nothing (build.keep_gradients)
 
     def lr_schedule(self, lr: float) -> Callable[[int], float]:
         """``step -> lr`` for the optimizer's base rate ``lr`` (:func:`experiments.recipe.lr_at`)."""
@@ -109,6 +110,7 @@ class RunConfig:
             fidelity_every=int(t.get("fidelity_every", 0)), max_consecutive_skips=int(t.get("max_consecutive_skips", 0)),
             kill_at_step=None if kill is None else int(kill), resume=bool(t.get("resume", True)),
             deterministic=bool(t.get("deterministic", False)), progress=bool(t.get("progress", True)),
+            zero_grad=bool(t.get("zero_grad", True)),
         )
         regime = RegimeConfig(
             name=str(r.get("name", "plain")), loss_multiplier=float(r.loss_multiplier),
