@@ -82,6 +82,8 @@ def test_variants_have_the_same_grids(experiment: str) -> None:
         if experiment == "compare_full":  # every preset, 8 seeds
             assert base < grid and {k for *_, k in grid} == set(range(8))
             assert {s for _, _, s, _ in grid} >= (PRESETS if cli != CONTROLS else {"none"})
+            if cli != FP8:  # the doctor's fp16 policy-gradient workload, and its fp32/bf16 controls
+                assert {r for _, r, _, _ in grid} == {*REGIMES, "small_advantage"}
         else:
             assert grid == base
 
