@@ -25,27 +25,11 @@ from typing import Any, Callable
 
 import torch
 
-from strategies.boundaries import Boundaries, layers
+from strategies.boundaries import Boundaries
+from strategies.grad_compare import capture_rng, layer_of, layer_sums, restore_rng
 from strategies.reference import fp32_loss
 
 __all__ = ["capture_rng", "layer_of", "probe", "seconds"]
-
-
-def capture_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The RNG state the next forward pass will draw dropout masks from (call it before that pass)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def layer_of(model: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter) -> layer name`` for every parameter of ``model``."""
-    out: dict[int, str] = {}
-    for name in layers(model):
-        for p in model.get_submodule(name).parameters():
-            out.setdefault(id(p), name)
-    for p in model.parameters():
-        out.setdefault(id(p), "other")
-    return out
 
 
 def _reference(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
@@ -53,9 +37,7 @@ def _reference(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], para
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), Boundaries.of(model).disabled(), torch.enable_grad():
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
+        restore_rng(rng, device)
         loss = fp32_loss(loss_fn, device.type, "fidelity probe")
         grads = torch.autograd.grad(loss.float().reshape(()), params, allow_unused=True)
     with torch.no_grad():
@@ -84,16 +66,9 @@ def probe(
     device = with_grad[0].device if with_grad else torch.device("cpu")
     ref = _reference(model, loss_fn, with_grad, rng, device)
     order = list(dict.fromkeys(layer_names.get(id(p), "other") for p in with_grad))
-    # Per layer: <g, r>, ||g||^2, ||r||^2, ||g - r||^2, #(r != 0), #(r != 0 and g == 0).
-    sums = torch.zeros(len(order), 6, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for p, r in zip(with_grad, ref):
-            g = (p.grad._values() if p.grad.is_sparse else p.grad).double()
-            r = r.double()
-            nz = r != 0
-            k = order.index(layer_names.get(id(p), "other"))
-            sums[k] += torch.stack([(g * r).sum(), g.square().sum(), r.square().sum(), (g - r).square().sum(),
-                                    nz.sum().double(), (nz & (g == 0)).sum().double()])
+    grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in with_grad]
+    index = [order.index(layer_names.get(id(p), "other")) for p in with_grad]
+    sums = layer_sums(zip(grads, ref), index, len(order), device)  # per layer, strategies.grad_compare.LAYER_SUMS
     rows = sums.tolist()  # the probe's one host read
     total = [sum(col) for col in zip(*rows)] if rows else [0.0] * 6
     out: dict[str, Any] = _metrics(total)

@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import strategies
-from strategies.boundaries import layers
+from strategies.grad_compare import capture_rng, layer_of, layer_sums, restore_rng
 from strategies.probe import ReferenceProbe
 from strategies.stats import unscale_and_stats_reference
 
@@ -164,17 +164,6 @@ def _cuda(dev: torch.device) -> list[torch.device]:
     return [dev] if dev.type == "cuda" else []
 
 
-def _rng_state(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The RNG state the next forward draws dropout masks from (CPU, and ``dev`` when CUDA)."""
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], dev: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], dev)
-
-
 @contextlib.contextmanager
 def _preserved(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
     """Leave ``.grad``, buffers and the RNG state (CPU, and ``dev`` when CUDA) exactly as they were."""
@@ -192,10 +181,7 @@ def _preserved(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
 
 
 def _layer_index(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> tuple[list[str], list[int]]:
-    owner: dict[int, str] = {}
-    for name in layers(model):
-        for p in model.get_submodule(name).parameters():
-            owner.setdefault(id(p), name)
+    owner = layer_of(model)
     names = list(dict.fromkeys(owner.get(id(p), "other") for p in params))
     return names, [names.index(owner.get(id(p), "other")) for p in params]
 
@@ -207,16 +193,11 @@ def _damage(grads: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], scale: f
     work = [g.detach().float().clone() for g in grads]
     device = work[0].device
     stats = unscale_and_stats_reference(work, torch.tensor(1.0 / scale, device=device), index, len(names))
-    sums = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
-    for k, g, r in zip(index, work, ref):
-        g, r = g.double(), r.double()
-        nz = r != 0
-        sums[k] += torch.stack([(g * r).sum(), g.square().sum(), r.square().sum(), nz.sum().double(),
-                                (nz & (g == 0)).sum().double()])
+    sums = layer_sums(zip(work, ref), index, len(names), device)
     out = []
     rows, found = sums.tolist(), stats.found_inf.tolist()
     for i, name in enumerate(names):
-        dot, gg, rr, nz, lost = rows[i]
+        dot, gg, rr, _, nz, lost = rows[i]  # strategies.grad_compare.LAYER_SUMS
         cos = dot / math.sqrt(gg * rr) if gg > 0 and rr > 0 else float("nan")
         out.append(LayerDamage(name, scale, lost / nz if nz else 0.0, cos, found[i] > 0))
     return out
@@ -374,7 +355,7 @@ def measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[to
     per_layer: list[LayerDamage] = []
     device = params[0].device
     with _preserved(model, device):
-        rng = _rng_state(device)
+        rng = capture_rng(device)
         # fp32: the reference gradient and the activation-gradient magnitudes.
         ref_rec = Record(backward_on=True, wide=True)
         with _hooks(model, ref_rec, dev), torch.autocast(dev, enabled=False), torch.enable_grad():
@@ -384,7 +365,7 @@ def measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[to
             ref = _backward(ref_loss, params, 1.0) if fp32_finite else [torch.zeros_like(p) for p in params]
             passes["backward"] += int(fp32_finite)
         # mixed: forward under autocast, backward at S, and at 1 when S overflows (same graph).
-        _set_rng_state(rng, device)
+        restore_rng(rng, device)
         rec = Record()
         with _hooks(model, rec, dev), torch.enable_grad():
             with torch.autocast(dev, dtype=DTYPES[precision]):
@@ -410,7 +391,7 @@ def measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[to
                             return loss_fn(model, batch).float()
 
                     def fresh() -> torch.Tensor:
-                        _set_rng_state(rng, device)
+                        restore_rng(rng, device)
                         with torch.autocast(dev, dtype=DTYPES[precision]):
                             return loss_fn(model, batch).float()
                     chosen, skipped, forwards = _strategy_scales(
