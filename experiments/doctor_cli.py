@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import checkpoint as ckpt
-from experiments import recipe, schema
+from experiments import schema
 from experiments.build import AppError, build_data, build_model, build_strategy, one_line
+from experiments.config import RunConfig
 from experiments.data import step_generator
 from experiments.rundir import RunDir
 from strategies.doctor import DTYPES, Diagnosis, diagnose
@@ -82,15 +83,15 @@ def load_run(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         model.load_state_dict(state["model"])
         scaler = build_strategy(cfg)
         scaler.load_state_dict(state["strategy"])
+        run = RunConfig.from_hydra(cfg)
     except (AppError, KeyError, RuntimeError, ValueError, TypeError) as exc:
         raise DoctorError(f"{run_dir} cannot be rebuilt from its checkpoint and configuration: {one_line(exc)[:300]}") from None
     at = int(state["step"]) if step is None else step
     if at < 1:
         raise DoctorError(f"--step must be >= 1, got {at} (the checkpoint is at step {state['step']})")
-    seed, tcfg, rcfg = int(cfg.seed), cfg.train, cfg.regime
-    x, y = data.batch(int(tcfg.batch_size), step_generator(seed, at))
-    m = float(rcfg.loss_multiplier) * (float(rcfg.spike_factor) if at in set(rcfg.spike_steps) else 1.0)
-    lr_for = recipe.schedule(tcfg, float(cfg.optimizer.lr))
+    x, y = data.batch(run.train.batch_size, step_generator(run.seed, at))
+    m = run.regime.multiplier(at)
+    lr_for = run.train.lr_schedule(float(cfg.optimizer.lr))
     return {
         "model": model.train(),
         "loss_fn": lambda mod, b: _loss(mod(b[0]), b[1]) * m,

@@ -14,7 +14,7 @@ groups (karpathy/nanoGPT ``train.py``: ``get_lr`` and ``configure_optimizers``).
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -31,13 +31,6 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, decay: str, min_lr_rati
     min_lr = min_lr_ratio * lr
     ratio = min(1.0, (it - warmup) / (steps - warmup))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
-
-
-def schedule(tcfg, lr: float) -> Callable[[int], float]:
-    """``step -> lr`` for the ``train`` config ``tcfg`` and the optimizer's base rate ``lr``."""
-    args = (int(tcfg.steps), float(lr), int(tcfg.get("lr_warmup", 0)), str(tcfg.get("lr_decay", "constant")),
-            float(tcfg.get("min_lr_ratio", 1.0)))
-    return lambda step: lr_at(step, *args)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
