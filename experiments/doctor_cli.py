@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import checkpoint as ckpt
-from experiments import schema
+from experiments import recipe, schema
 from experiments.build import AppError, build_data, build_model, build_strategy, one_line
 from experiments.config import RunConfig
 from experiments.data import step_generator
@@ -45,11 +44,6 @@ LR_WINDOW = 20
 
 class DoctorError(Exception):
     """A run directory the doctor cannot use; the message is one line."""
-
-
-def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The training loop's loss: mean cross-entropy over every position or example, in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def load_run(run_dir: Path, step: int | None = None) -> dict[str, Any]:
@@ -94,7 +88,7 @@ def load_run(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     lr_for = run.train.lr_schedule(float(cfg.optimizer.lr))
     return {
         "model": model.train(),
-        "loss_fn": lambda mod, b: _loss(mod(b[0]), b[1]) * m,
+        "loss_fn": lambda mod, b: recipe.loss(mod(b[0]), b[1]) * m,
         "batch": (x, y),
         "scaler": scaler if scaler.is_enabled() else None,
         "scale": None if scaler.is_enabled() else 1.0,

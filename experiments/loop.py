@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -53,11 +52,6 @@ from experiments.rundir import RunDir
 __all__ = ["run", "Parts", "BatchLoss"]
 
 
-def _loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position (LM) or example (classifier), in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
 def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.device, n_batches: int) -> dict:
     """Mean validation loss and the workload metric (bits per char for text, accuracy otherwise)."""
     model.eval()
@@ -66,7 +60,7 @@ def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.d
         for x, y in data.eval_batches(n_batches):
             x, y = x.to(device), y.to(device)
             logits = model(x)
-            loss = _loss_fn(logits, y)
+            loss = recipe.loss(logits, y)
             n = y.numel()
             total += loss.item() * n
             count += n
@@ -88,9 +82,9 @@ class BatchLoss:
 
     def __call__(self) -> torch.Tensor:
         if self.hooks is None:
-            return _loss_fn(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
+            return recipe.loss(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
         with self.hooks.disabled():
-            return _loss_fn(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
+            return recipe.loss(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
 
 
 @dataclass
@@ -236,7 +230,7 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo,
             t0, hooks0 = time.perf_counter(), getattr(strategy, "hook_seconds", 0.0)  # attached rules' hooks
             with precision.autocast_context(device):
                 logits = model(batch["x"])
-            loss = _loss_fn(logits, batch["y"])
+            loss = recipe.loss(logits, batch["y"])
             try:
                 ts = time.perf_counter()
                 scaled = strategy.scale(loss * m if m != 1.0 else loss)
@@ -320,7 +314,7 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo,
             strategy.detach()
         # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises); its verdict
         # ends the summary's one-line error and its cause is the summary's ``diagnosis``.
-        diag = diagnosis.diagnose_run(rec.rundir.path, raw_model, _loss_fn, batch, precision, strategy, parts.lr_for,
+        diag = diagnosis.diagnose_run(rec.rundir.path, raw_model, recipe.loss, batch, precision, strategy, parts.lr_for,
                                       step, status, error) if info.is_main else None
         summary = rec.summary(status, diagnosis.annotate(status, error, diag))
         if diag is not None:

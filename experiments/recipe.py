@@ -9,6 +9,7 @@ groups (karpathy/nanoGPT ``train.py``: ``get_lr`` and ``configure_optimizers``).
   (non-finite gradients) advances it like any other, as in nanoGPT.
 * **Weight decay on matrices only**: parameters with two or more dimensions (linear and embedding
   weights) get the optimizer's ``weight_decay``; biases and norm gains get none.
+* **Loss**: :func:`loss`, the mean cross-entropy in fp32 (the loop's and the doctor's).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 DECAYS = ("cosine", "constant")
 
@@ -45,3 +47,8 @@ def decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss: mean cross-entropy over every position (LM) or example (classifier), in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
