@@ -10,6 +10,7 @@ STAMP      := $(VENV)/.scalelab-installed
 OUT        ?= runs/compare
 REPORT     ?= reports/compare
 EXPERIMENT ?= compare
+PAGE       ?= docs/findings.md
 TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
 
@@ -37,10 +38,10 @@ compare: setup ## Run the default comparison sweep on the CPU and write its repo
 	$(TRAIN) -m +experiment=$(EXPERIMENT) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 regime=plain hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
-	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
+	$(BIN)/scalelab-report $(OUT) --out $(REPORT) --page $(PAGE)
 
 compare-full: setup ## The larger comparison (every preset, 8 seeds, twice the steps): runs/compare_full
-	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full
+	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full PAGE=reports/compare_full/findings.md
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)

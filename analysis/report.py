@@ -36,6 +36,7 @@ import pandas as pd
 from analysis import figures as F
 from analysis.bench import load_bench
 from analysis.document import Document
+from analysis.findings import findings_page, write_page
 from analysis.load import RunLoadError, RunSet, load_runs
 from analysis.runset import STATUSES
 from analysis.stats import N_BOOT, SEED
@@ -166,8 +167,12 @@ def results_table(summary: pd.DataFrame, ranks: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | Path | None = None,
-                 *, n_boot: int = N_BOOT, problems: list[str] | None = None) -> Path:
+                 *, n_boot: int = N_BOOT, problems: list[str] | None = None,
+                 page: str | Path | None = None, command: str = "scalelab-report") -> Path:
     """Write the report for ``run_dirs`` into ``out``; return the path of ``report.html``.
+
+    ``page``: also write the short findings page there (:mod:`analysis.findings`;
+    ``docs/findings.md`` under ``make compare``), naming ``command`` as what wrote it.
 
     The bad records (:attr:`analysis.runset.RunSet.problems`, one line each) are listed in the
     report and appended to ``problems`` when given. Raises :class:`analysis.load.RunLoadError`
@@ -212,10 +217,15 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
             "what the paired readings say. Δ = strategy − baseline per seed, mean [95% CI]; "
             "against fp32 it is the final-eval-loss gap to the fp32 run of the same seed. "
             "Cells without `native` (controls) are compared with fp32 only."))
-    doc.p(overall_verdict(summary, ranks, comps))
+    overall = overall_verdict(summary, ranks, comps)
     cells = (ranks[ranks["precision"] != REFERENCE_PRECISION][["workload", "precision"]]
              .dropna().drop_duplicates().sort_values(["workload", "precision"]))
-    doc.bullets([cell_verdict(w, p, ranks, summary, comps) for w, p in cells.to_numpy()])
+    cell_lines = [cell_verdict(w, p, ranks, summary, comps) for w, p in cells.to_numpy()]
+    doc.p(overall)
+    doc.bullets(cell_lines)
+    if page is not None:
+        write_page(findings_page(rs.runs, when, overall, cell_lines, command,
+                                 (out / "report.md").as_posix()), page)
 
     doc.h(1, "Ranking and final metrics")
     cols, rows = _ranking_rows(summary, ranks)
@@ -343,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: reports/compare)")
     parser.add_argument("--bench", default=None, help="scalelab-bench JSON for the "
                         "overhead-vs-size figure (optional)")
+    parser.add_argument("--page", default=None, metavar="PATH", help="also write the short "
+                        "findings page (docs/findings.md under make compare) there")
     parser.add_argument("--n-boot", type=int, default=N_BOOT, help=f"bootstrap resamples "
                         f"(default {N_BOOT})")
     args = parser.parse_args(argv)
@@ -351,8 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     problems: list[str] = []
     try:
+        command = " ".join(["scalelab-report", *args.run_dirs, "--out", args.out]
+                           + (["--page", args.page] if args.page else []))
         path = build_report(args.run_dirs, args.out, args.bench, n_boot=args.n_boot,
-                            problems=problems)
+                            problems=problems, page=args.page, command=command)
     except RunLoadError as exc:
         print(f"scalelab-report: error: {exc}", file=sys.stderr)
         return 2

@@ -7,10 +7,10 @@ for ``torch.amp.GradScaler("cpu")`` and for no scaling (``loss`` + ``opt.step()`
 ``norm_ratio`` runs without a reference closure, i.e. its overhead *excluding the probe* (the
 probe is one fp32 forward+backward every ``probe_interval`` steps, a model-dependent cost that
 the training runs record). ``layerwise`` runs unattached (one group), with its default rule and
-as ``layerwise_adaloss`` (``rule: adaloss``, :data:`experiments.bench_extra.VARIANTS`).
+as ``layerwise_adaloss`` (``rule: adaloss``, :data:`experiments.bench_common.VARIANTS`).
 
 (c) the attach cost per training step of the attach-based rules (their hooks, and AdaLoss's weight
-statistics) and (d) what a fused AdamW saves: :mod:`experiments.bench_extra`.
+statistics) and (d) what a fused AdamW saves: :mod:`experiments.bench_steps`.
 
 (b) **Statistics pass** — ``strategies.stats.unscale_and_stats`` (the fused op when built) versus
 one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write),
@@ -54,15 +54,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 import strategies
-from experiments import bench_extra, bench_gpu
-from experiments.bench_extra import (VARIANTS, NoOpOptimizer, human, make_params, make_scaler, paired_ratio,
+from experiments import bench_gpu, bench_steps
+from experiments.bench_common import (VARIANTS, NoOpOptimizer, human, make_params, make_scaler, paired_ratio,
                                      parse_size, restore, scaling_step)
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
 DEFAULT_SIZES = "1M,10M,50M"
 def step_timer(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], float]:
-    """One timed training-step's worth of scaling calls (:func:`bench_extra.scaling_step`);
+    """One timed training-step's worth of scaling calls (:func:`bench_common.scaling_step`);
     returns seconds."""
     step = scaling_step(scaler, opt, loss)
 
@@ -268,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
             overhead += bench_overhead(size, tensors, names, repeats, steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
         print("measuring hooks and fused AdamW ...", file=sys.stderr, flush=True)
-        hook_rows = bench_extra.bench_hooks(repeats)
+        hook_rows = bench_steps.bench_hooks(repeats)
         fused_size = sizes[-1]
-        fused_rows = bench_extra.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
+        fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
     meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": steps,
             "argv": argv_used}
     result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "fused_adamw": fused_rows}
     print(format_tables(overhead, stats_rows, names))
-    print("\n" + bench_extra.format_hooks(hook_rows) + "\n\n" + bench_extra.format_fused(fused_rows, human(fused_size)))
+    print("\n" + bench_steps.format_hooks(hook_rows) + "\n\n" + bench_steps.format_fused(fused_rows, human(fused_size)))
     la = meta.get("loadavg_1_5_15")
     if la:
         print(f"\nload average (1/5/15 min) before: {load_before}, after: {[round(x, 2) for x in la]}; "

@@ -12,7 +12,7 @@ charged one read and one write of the gradients (the reference's extra passes sh
 effective bandwidth).
 
 (ii) **Full step** — ``scale`` + ``unscale_`` + ``step`` + ``update`` with a no-op optimizer on
-float32 gradients, for every registered rule (and :data:`experiments.bench_extra.VARIANTS`),
+float32 gradients, for every registered rule (and :data:`experiments.bench_common.VARIANTS`),
 ``torch.amp.GradScaler("cuda")`` and no scaling: median ms and the ratio to GradScaler. GradScaler
 and the rules sync once in ``step`` (the skip decision); the events see that as time too.
 
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.bench_extra import (NoOpOptimizer, human, make_params, make_scaler, paired_ratio, parse_size,
+from experiments.bench_common import (NoOpOptimizer, human, make_params, make_scaler, paired_ratio, parse_size,
                                      restore, scaling_step)
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 

@@ -77,13 +77,13 @@ def probe(
         out[f"layer_{key}"] = {name: m[key] for name, m in per_layer.items()}
     finite = all(v == v and abs(v) != float("inf") for v in total[:4])
     out["skipped"] = not finite
-    out["probe_time_s"] = time.perf_counter() - t0
+    out["fidelity_probe_s"] = time.perf_counter() - t0
     return out
 
 
 def seconds(row: dict[str, Any]) -> float:
     """The wall time of the probe that produced ``row``."""
-    return float(row["probe_time_s"])
+    return float(row["fidelity_probe_s"])
 
 
 def _metrics(s: list[float]) -> dict[str, float]:

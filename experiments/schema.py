@@ -127,7 +127,7 @@ FIDELITY_FIELDS = _fields(
     Field("layer_rel_err", "float_map", "per layer: relative L2 error"),
     Field("layer_lost_frac", "float_map", "per layer: lost fraction"),
     Field("skipped", bool, "the step was skipped (non-finite gradients): no comparison", optional=True),
-    Field("probe_time_s", float, "wall time of this fidelity probe (not part of step or strategy time)"),
+    Field("fidelity_probe_s", float, "wall time of this fidelity probe (not part of step or strategy time)"),
 )
 
 SUMMARY_FIELDS = _fields(

@@ -128,7 +128,7 @@ def _fidelity_line(strategy: str, precision: str, step: int, spec: SweepSpec,
     return {"kind": "fidelity", "step": step, "cosine": cos, "rel_err": lost / 5,
             "lost_frac": lost, "layer_cosine": {name: cos for name in LAYERS},
             "layer_rel_err": {name: lost / 5 for name in LAYERS},
-            "layer_lost_frac": {name: lost for name in LAYERS}, "probe_time_s": 0.002}
+            "layer_lost_frac": {name: lost for name in LAYERS}, "fidelity_probe_s": 0.002}
 
 
 def _summary(strategy: str, precision: str, seed: int, final: float | None, status: str,

@@ -212,7 +212,7 @@ def test_fidelity_lines_load_and_unknown_kinds_are_reported(tmp_path: Path):
             fh.write(json.dumps({"kind": "fidelity", "step": step, "cosine": cos,
                                  "rel_err": 1 - cos, "lost_frac": 0.01,
                                  "layer_cosine": {"fc1": cos}, "layer_rel_err": {"fc1": 0.1},
-                                 "layer_lost_frac": {"fc1": 0.0}, "probe_time_s": 0.002}) + "\n")
+                                 "layer_lost_frac": {"fc1": 0.0}, "fidelity_probe_s": 0.002}) + "\n")
         fh.write(json.dumps({"kind": "future", "step": 10}) + "\n")
     rs = load_runs(tmp_path / "s")
     assert rs.fidelity["cosine"].tolist() == [0.99, 0.98]

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 import strategies
-from experiments import bench, bench_extra
+from experiments import bench, bench_common
 
 
 def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
@@ -19,7 +19,7 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
                        "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     names = {r["name"] for r in data["overhead"]}
-    assert names == {"none", "GradScaler", *strategies.available(), *bench_extra.VARIANTS}
+    assert names == {"none", "GradScaler", *strategies.available(), *bench_common.VARIANTS}
     assert {r["size"] for r in data["overhead"]} == {3000, 20_000}
     gs = [r for r in data["overhead"] if r["name"] == "GradScaler"]
     assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in gs)
@@ -33,7 +33,7 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
             assert r[f"fused_over_{other}"] == pytest.approx(want)
     table = capsys.readouterr().out
     assert "GradScaler" in table and "fused/mul" in table and "fused/unscale" in table
-    assert {r["strategy"] for r in data["hooks"]} == set(bench_extra.HOOKED)
+    assert {r["strategy"] for r in data["hooks"]} == set(bench_common.HOOKED)
     assert all(r["ratio"] > 0 and r["plain_ms"] > 0 and r["attached_ms"] > 0 for r in data["hooks"])
 
 

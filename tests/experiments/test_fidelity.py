@@ -47,7 +47,7 @@ def test_a_flushed_activation_gradient_by_hand() -> None:
     assert row["lost_frac"] == pytest.approx(2 / 6)
     rr = 2.0**-28 + 2.0**-26 + 2.0**-22 + 2.0**-20 + 5.0
     assert row["rel_err"] == pytest.approx(math.sqrt((2.0**-28 + 2.0**-26) / rr), rel=1e-12)
-    assert not row["skipped"] and row["probe_time_s"] >= 0
+    assert not row["skipped"] and row["fidelity_probe_s"] >= 0
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # .grad untouched
 
 
@@ -119,7 +119,7 @@ def test_training_is_bit_identical_with_the_probe_on_or_off(tmp_path, strategy: 
         assert r["rel_err"] >= 0 and 0.0 <= r["lost_frac"] <= 1.0
         # cosine is NaN exactly when the mixed-precision gradient is all zero (everything lost)
         assert (-1.0 <= r["cosine"] <= 1.0 + 1e-9) if r["lost_frac"] < 1.0 else math.isnan(r["cosine"])
-        assert set(r["layer_cosine"]) == set(r["layer_lost_frac"]) and r["probe_time_s"] > 0
+        assert set(r["layer_cosine"]) == set(r["layer_lost_frac"]) and r["fidelity_probe_s"] > 0
     assert off["final_eval_loss"] == on["final_eval_loss"] and off["skipped_steps"] == on["skipped_steps"]
     assert "fidelity_lost_frac_mean" not in off and on["fidelity_time_s"] > 0
     assert 0.0 <= on["fidelity_lost_frac_mean"] <= 1.0
