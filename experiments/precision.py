@@ -46,7 +46,7 @@ from torch import nn
 
 from experiments.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
 from strategies.boundaries import Boundaries, Trace, layers
-from strategies.stats import zeros_and_subnormals
+from strategies.stats import exponent_histogram, fold_histogram, zeros_and_subnormals
 
 __all__ = ["Precision", "BoundaryHooks", "quantize_dequantize", "HIST_LO", "HIST_BINS"]
 
@@ -177,11 +177,7 @@ class BoundaryHooks:
         prev = self._stats.get(name)
         self._stats[name] = [zeros, sub, numel] if prev is None else [prev[0] + zeros, prev[1] + sub, prev[2] + numel]
         if self.hist:
-            flat = g.float().flatten()
-            keep = (flat != 0) & torch.isfinite(flat)
-            exps = torch.frexp(flat[keep]).exponent.to(torch.int64) - 1
-            idx = (exps - HIST_LO).clamp_(0, HIST_BINS - 1)
-            counts = torch.bincount(idx, minlength=HIST_BINS)
+            counts = fold_histogram(exponent_histogram(g), HIST_LO, HIST_BINS)
             self._hist = counts if self._hist is None else self._hist + counts
             self._hist_zeros = zeros if self._hist_zeros is None else self._hist_zeros + zeros
 

@@ -43,33 +43,7 @@ from strategies.formats import FP16_MIN_NORMAL
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
-from strategies.stats import GradStats
-
-E_LO, E_BINS = -150, 280  # exponent bins floor(log2|g|) = -150 .. 129 cover every float32 value
-
-
-def exponent_histogram(g: torch.Tensor) -> torch.Tensor:
-    """Counts of ``floor(log2|g|)`` over the nonzero finite entries of ``g`` (bin i: exponent E_LO + i).
-
-    Elementwise ops and one count, no boolean indexing (which reads its length on the host: a
-    sync on CUDA, and twice the time on the CPU): the mantissa of ``frexp`` is in [0.5, 1)
-    exactly for the nonzero finite entries (0, +-inf and NaN keep their value); the others are
-    counted in an extra bin that is dropped. Every float32 exponent, subnormals included, lands
-    in bins 1 .. 277."""
-    m, e = torch.frexp(g.detach().float().reshape(-1))
-    a = m.abs()
-    idx = torch.where((a >= 0.5) & (a < 1), e - (1 + E_LO), E_BINS)
-    return bin_counts(idx, sync_free=idx.device.type != "cpu")[:E_BINS]
-
-
-def bin_counts(idx: torch.Tensor, sync_free: bool) -> torch.Tensor:
-    """``bincount(idx, minlength=E_BINS + 1)`` for indices in [0, E_BINS]; ``sync_free``: by
-    ``scatter_add_`` instead (CUDA's bincount reads ``idx.max()`` on the host; the CPU's is faster)."""
-    if not sync_free:
-        return torch.bincount(idx, minlength=E_BINS + 1)
-    one = torch.ones((), dtype=torch.int64, device=idx.device).expand(idx.numel())
-    return torch.zeros(E_BINS + 1, dtype=torch.int64, device=idx.device).scatter_add_(0, idx.long(), one)
-
+from strategies.stats import E_BINS, E_LO, GradStats, exponent_histogram
 
 def underflow_target_update_(
     scale: torch.Tensor,

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import strategies
 from strategies.formats import FP16_MAX, FP16_MIN_NORMAL
-from strategies.underflow_target import E_BINS, E_LO, bin_counts, exponent_histogram, underflow_target_update_
+from strategies.stats import E_BINS, E_LO, bin_counts, exponent_histogram, fold_histogram
+from strategies.underflow_target import underflow_target_update_
 
 
 def place(values: list[float], scale: float = 1.0, found: float = 0.0, target: float = 1e-3,
@@ -41,7 +42,7 @@ def test_exponent_histogram_equals_frexp_of_the_selected_entries(dtype, sync_fre
     x = g.float()[(g.float() != 0) & torch.isfinite(g.float())]
     want = torch.bincount(torch.frexp(x)[1].long() - 1 - E_LO, minlength=E_BINS)
     forced = sync_free
-    monkeypatch.setattr("strategies.underflow_target.bin_counts", lambda idx, sync_free: bin_counts(idx, forced))
+    monkeypatch.setattr("strategies.stats.bin_counts", lambda idx, sync_free: bin_counts(idx, forced))
     assert torch.equal(exponent_histogram(g), want) and want.sum() > 1000
 
 
@@ -106,3 +107,17 @@ def input_side_zero_fraction(name: str, steps: int = 12) -> float:
 def test_lowers_the_input_side_zero_fraction_against_native() -> None:
     native, placed = input_side_zero_fraction("native"), input_side_zero_fraction("underflow_target")
     assert native > 0.5 and placed < 0.05, (native, placed)
+
+
+@pytest.mark.parametrize("lo,bins", [(-64, 96), (-20, 8)])
+def test_folded_histogram_equals_clamped_bincount_of_the_exponents(lo, bins) -> None:
+    """The run record's histogram (experiments.precision: exponents from ``lo``, ``bins`` bins,
+    out-of-range exponents clamped into the end bins) is the full one folded: equal to a plain
+    frexp + clamp + bincount over the nonzero finite entries."""
+    gen = torch.Generator().manual_seed(7)
+    g = torch.exp2(torch.empty(5000).uniform_(-150, 120, generator=gen)) * torch.randn(5000, generator=gen).sign()
+    g[::17], g[::23] = 0.0, math.inf
+    x = g[(g != 0) & torch.isfinite(g)]
+    want = torch.bincount((torch.frexp(x)[1].long() - 1 - lo).clamp(0, bins - 1), minlength=bins)
+    got = fold_histogram(exponent_histogram(g), lo, bins)
+    assert torch.equal(got, want) and int(want[0]) > 0 and int(want[-1]) > 0
