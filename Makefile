@@ -46,8 +46,8 @@ compare-full: setup ## The larger comparison (every preset, 8 seeds, twice the s
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
-bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON)
-	$(BIN)/scalelab-bench
+bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
+	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor_eval
