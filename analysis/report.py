@@ -224,7 +224,7 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     doc.p(overall)
     doc.bullets(cell_lines)
     if page is not None:
-        write_page(findings_page(rs.runs, when, overall, cell_lines, command,
+        write_page(findings_page(rs.runs, when, overall, command,
                                  (out / "report.md").as_posix()), page)
 
     doc.h(1, "Ranking and final metrics")
