@@ -31,7 +31,7 @@ TORCH_LIBRARY(scalelab, m) {
   m.def(
       "unscale_and_stats(Tensor(a!)[] grads, Tensor inv_scale, int[] group_index, int num_groups) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // native: backoff/growth with hysteresis (scalelab_rules.h native_update), state in place.
+  // native: backoff/growth with hysteresis (rules/native.h), state in place.
   m.def(
       "native_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, int hysteresis) -> ()");
@@ -41,7 +41,7 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor(e!) candidate, Tensor found_inf, Tensor grad_absmax, float target_max, float ema_decay, "
       "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero, "
       "bool cap_ema_on_overflow=False) -> ()");
-  // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (scalelab_rules.h).
+  // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (rules/norm_ratio.h).
   m.def(
       "norm_ratio_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) log_ratio_ema, "
       "Tensor(d!) ema_steps, Tensor(e!) last_ratio, Tensor found_inf, Tensor ref_sumsq, Tensor mp_sumsq, "

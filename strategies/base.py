@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from strategies import kernels
+from strategies import binding, kernels
 from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams, signature
@@ -126,6 +126,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._pending: dict[str, Any] = {}
         self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._bound: dict[tuple[str, tuple[str, ...]], tuple[Any, Any, list[Any], tuple[tuple[int, str], ...]]] = {}
 
     # ------------------------------------------------------------------ hooks (see class docstring)
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
@@ -160,6 +161,27 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     @property
     def group_names(self) -> list[str]:
         return ["all"]
+
+    def run_update(self, op: str, twin: Any, **inputs: Any) -> None:
+        """Run ``torch.ops.scalelab.<op>`` (or its Python ``twin``) with its arguments bound by
+        name (:mod:`strategies.binding`): each parameter of the twin's signature, in its order,
+        is the state tensor of that name, else the ``Params`` field, else the passed input (an
+        input takes the place of a state or field of its name). The bound list is cached per op
+        and input names while ``self.state`` and ``self.params`` are the same objects (state
+        tensors are updated in place, params replaced whole), so a step only fills the inputs."""
+        key = (op, tuple(inputs))
+        bound = self._bound.get(key)
+        state, params = self.state, self.params
+        if bound is None or bound[0] is not state or bound[1] is not params:
+            plan = binding.bind_plan(op, twin, list(state.specs), [s.name for s in self.state_spec], params, key[1])
+            values = [getattr(state, n) if k == binding.STATE else getattr(params, n) if k == binding.PARAM else None
+                      for k, n in plan]
+            slots = tuple((i, n) for i, (k, n) in enumerate(plan) if k == binding.INPUT)
+            bound = self._bound[key] = (state, params, values, slots)
+        args = bound[2].copy()
+        for i, n in bound[3]:
+            args[i] = inputs[n]
+        kernels.dispatch(op, twin, *args)
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
@@ -363,8 +385,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
                 all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "sum"], "sum")
                 all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "max"], "max")
             self.update_(found_inf, stats)
-            kernels.dispatch("record_step_", record_step_, state.scale, state.skipped_steps, state.found_inf,
-                             found_inf, self.params.min_scale, self.params.max_scale)
+            self.run_update("record_step_", record_step_, found_state=state.found_inf, found_inf=found_inf)
             if stats is not None:
                 self._last_stats = stats
         self.updates += 1
