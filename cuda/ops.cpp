@@ -6,7 +6,9 @@
 // the strategies' update functions) are the oracles in tests.
 //
 // Every update op takes exactly the positional arguments of its Python twin, in the same order
-// and with the same meaning (strategies.kernels.dispatch calls one or the other with one list):
+// and with the same meaning: the twin's signature is the argument list (strategies/binding.py
+// binds it by name and checks this schema against it at the first bind; strategies.kernels.dispatch
+// calls the op or the twin with the one bound list):
 //   native_update_      strategies.native.native_update_
 //   max_ema_update_     strategies.max_ema.max_ema_update_
 //   norm_ratio_update_  strategies.norm_ratio.norm_ratio_update_

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import warnings
 from collections import defaultdict
 from typing import Any, ClassVar, Iterable
@@ -126,7 +127,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._pending: dict[str, Any] = {}
         self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
-        self._bound: dict[tuple[str, tuple[str, ...]], tuple[Any, Any, list[Any], tuple[tuple[int, str], ...]]] = {}
+        self._bound: dict[str, tuple[Any, ...]] = {}  # op -> run_update's cached binding (_bind)
 
     # ------------------------------------------------------------------ hooks (see class docstring)
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
@@ -167,21 +168,24 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         name (:mod:`strategies.binding`): each parameter of the twin's signature, in its order,
         is the state tensor of that name, else the ``Params`` field, else the passed input (an
         input takes the place of a state or field of its name). The bound list is cached per op
-        and input names while ``self.state`` and ``self.params`` are the same objects (state
-        tensors are updated in place, params replaced whole), so a step only fills the inputs."""
-        key = (op, tuple(inputs))
-        bound = self._bound.get(key)
+        while ``self.state``, ``self.params`` and the input names are the same (state tensors
+        are updated in place, params replaced whole), so a step only fills in the inputs."""
+        names = tuple(inputs)
+        bound = self._bound.get(op)
+        if bound is None or bound[0] is not self.state or bound[1] is not self.params or bound[2] != names:
+            bound = self._bound[op] = self._bind(op, twin, names)
+        kernels.dispatch(op, twin, *bound[4]([*bound[3], *inputs.values()]))
+
+    def _bind(self, op: str, twin: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
+        """``(state, params, input names, values, pick)`` for :meth:`run_update`: ``values`` holds
+        the bound state tensors and params fields in the twin's order (None for the inputs), and
+        ``pick(values + input values)`` is the argument tuple."""
         state, params = self.state, self.params
-        if bound is None or bound[0] is not state or bound[1] is not params:
-            plan = binding.bind_plan(op, twin, list(state.specs), [s.name for s in self.state_spec], params, key[1])
-            values = [getattr(state, n) if k == binding.STATE else getattr(params, n) if k == binding.PARAM else None
-                      for k, n in plan]
-            slots = tuple((i, n) for i, (k, n) in enumerate(plan) if k == binding.INPUT)
-            bound = self._bound[key] = (state, params, values, slots)
-        args = bound[2].copy()
-        for i, n in bound[3]:
-            args[i] = inputs[n]
-        kernels.dispatch(op, twin, *args)
+        plan = binding.bind_plan(op, twin, list(state.specs), [s.name for s in self.state_spec], params, names)
+        values = [getattr(state, n) if k == binding.STATE else getattr(params, n) if k == binding.PARAM else None
+                  for k, n in plan]
+        order = [len(plan) + names.index(n) if k == binding.INPUT else i for i, (k, n) in enumerate(plan)]
+        return state, params, names, values, operator.itemgetter(*order)
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
