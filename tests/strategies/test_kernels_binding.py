@@ -144,3 +144,19 @@ def test_found_inf_is_always_the_passed_flag_never_the_state():
         binding.bind_plan("max_ema_update_", max_ema_update_,
                           ["scale", "ema", "ema_steps", "growth_tracker", "candidate", "found_inf"], [],
                           MaxEmaStrategy().params, ("grad_absmax", "grow_on_zero"))
+
+
+def test_the_binding_is_built_once_per_state_and_params(monkeypatch):
+    """Steps reuse the bound list (no signature walk per step); a replaced state rebinds once."""
+    built: list[str] = []
+    plan = binding.bind_plan
+    monkeypatch.setattr(binding, "bind_plan", lambda op, *a: built.append(op) or plan(op, *a))
+    s = MaxEmaStrategy()
+    s.scale(torch.ones(()))
+    st = _stats(1)
+    for _ in range(3):
+        _recorded(monkeypatch, s, torch.tensor(0.0), st)
+    assert built == ["max_ema_update_"]
+    s._lazy_init(torch.device("cpu"))
+    _recorded(monkeypatch, s, torch.tensor(0.0), st)
+    assert built == ["max_ema_update_"] * 2
