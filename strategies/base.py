@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import warnings
 from collections import defaultdict
 from typing import Any, ClassVar, Iterable
@@ -128,7 +127,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._pending: dict[str, Any] = {}
         self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
-        self._bound: dict[str, tuple[Any, ...]] = {}  # op -> run_update's cached binding (_bind)
+        self._bound: dict[str, tuple[Any, ...]] = {}  # op -> run_update's cached binding.bind(...)
 
     # ------------------------------------------------------------------ hooks (see class docstring)
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
@@ -174,19 +173,9 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         names = tuple(inputs)
         bound = self._bound.get(op)
         if bound is None or bound[0] is not self.state or bound[1] is not self.params or bound[2] != names:
-            bound = self._bound[op] = self._bind(op, twin, names)
+            bound = self._bound[op] = binding.bind(op, twin, self.state, self.params,
+                                                   [s.name for s in self.state_spec], names)
         kernels.dispatch(op, twin, *bound[4]([*bound[3], *inputs.values()]))
-
-    def _bind(self, op: str, twin: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
-        """``(state, params, input names, values, pick)`` for :meth:`run_update`: ``values`` holds
-        the bound state tensors and params fields in the twin's order (None for the inputs), and
-        ``pick(values + input values)`` is the argument tuple."""
-        state, params = self.state, self.params
-        plan = binding.bind_plan(op, twin, list(state.specs), [s.name for s in self.state_spec], params, names)
-        values = [getattr(state, n) if k == binding.STATE else getattr(params, n) if k == binding.PARAM else None
-                  for k, n in plan]
-        order = [len(plan) + names.index(n) if k == binding.INPUT else i for i, (k, n) in enumerate(plan)]
-        return state, params, names, values, operator.itemgetter(*order)
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:

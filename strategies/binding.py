@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
 
 from strategies import kernels
 
-__all__ = ["INPUT", "NONE", "PARAM", "STATE", "Slot", "bind_plan", "check_schema", "twin_names"]
+__all__ = ["INPUT", "NONE", "PARAM", "STATE", "Slot", "bind", "bind_plan", "check_schema", "twin_names"]
 
 STATE, PARAM, INPUT, NONE = 0, 1, 2, 3
 """Where a slot's value comes from: a state tensor, a params field, a per-call input, None."""
@@ -100,3 +101,15 @@ def bind_plan(op: str, twin: Callable[..., Any], state_names: Sequence[str], dec
             raise TypeError(f"scalelab::{op}: argument {name!r} is neither a state tensor, a field of "
                             f"{type(params).__name__} nor a passed input: pass it ({name}=...)")
     return tuple(plan)
+
+
+def bind(op: str, twin: Callable[..., Any], state: Any, params: Any, declared_state: Sequence[str],
+         inputs: tuple[str, ...]) -> tuple[Any, Any, tuple[str, ...], list[Any], Callable[[list[Any]], tuple]]:
+    """``(state, params, inputs, values, pick)``, what :meth:`strategies.base.Strategy.run_update`
+    caches: ``values`` holds the bound state tensors and params fields in the twin's order (None
+    where an input goes), and ``pick(values + [input values in the order of inputs])`` is the
+    argument tuple (one ``operator.itemgetter``: no Python loop per step)."""
+    plan = bind_plan(op, twin, list(state.specs), declared_state, params, inputs)
+    values = [getattr(state, n) if k == STATE else getattr(params, n) if k == PARAM else None for k, n in plan]
+    order = [len(plan) + inputs.index(n) if k == INPUT else i for i, (k, n) in enumerate(plan)]
+    return state, params, inputs, values, operator.itemgetter(*order)
