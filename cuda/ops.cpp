@@ -6,7 +6,9 @@
 // the strategies' update functions) are the oracles in tests.
 //
 // Every update op takes exactly the positional arguments of its Python twin, in the same order
-// and with the same meaning (strategies.kernels.dispatch calls one or the other with one list):
+// and with the same meaning: the twin's signature is the argument list (strategies/binding.py
+// binds it by name and checks this schema against it at the first bind; strategies.kernels.dispatch
+// calls the op or the twin with the one bound list):
 //   native_update_      strategies.native.native_update_
 //   max_ema_update_     strategies.max_ema.max_ema_update_
 //   norm_ratio_update_  strategies.norm_ratio.norm_ratio_update_
@@ -31,7 +33,7 @@ TORCH_LIBRARY(scalelab, m) {
   m.def(
       "unscale_and_stats(Tensor(a!)[] grads, Tensor inv_scale, int[] group_index, int num_groups) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // native: backoff/growth with hysteresis (scalelab_rules.h native_update), state in place.
+  // native: backoff/growth with hysteresis (rules/native.h), state in place.
   m.def(
       "native_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, int hysteresis) -> ()");
@@ -41,7 +43,7 @@ TORCH_LIBRARY(scalelab, m) {
       "Tensor(e!) candidate, Tensor found_inf, Tensor grad_absmax, float target_max, float ema_decay, "
       "float growth_factor, float backoff_factor, int growth_interval, bool round_pow2, bool grow_on_zero, "
       "bool cap_ema_on_overflow=False) -> ()");
-  // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (scalelab_rules.h).
+  // norm_ratio: torch's rule off-probe, the ratio rule on probe steps (rules/norm_ratio.h).
   m.def(
       "norm_ratio_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) log_ratio_ema, "
       "Tensor(d!) ema_steps, Tensor(e!) last_ratio, Tensor found_inf, Tensor ref_sumsq, Tensor mp_sumsq, "

@@ -121,7 +121,7 @@ def _scales_(scales: torch.Tensor, blamed: torch.Tensor, found_inf: torch.Tensor
              t: float, u_min: float, u_max: float, layer_cap: float, total_cap: float,
              backoff_factor: float) -> None:
     """:func:`adaloss_update_` with the quantile ``t`` given: the float32 arithmetic of
-    ``cuda/include/scalelab_rules_adaloss.h`` (sqrt correctly rounded there and here)."""
+    ``cuda/include/rules/adaloss.h`` (sqrt correctly rounded there and here)."""
     sigma = f32_of_double(torch.sqrt, g2 / n.clamp(min=1) * w2)
     wanted = torch.where(sigma > 0, u_min / (t * sigma), torch.ones_like(sigma))
     upper = torch.where(gmax * wmax > 0, (u_max / fan) / (gmax * wmax), torch.full_like(sigma, math.inf))

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.formats import FP16_MAX
@@ -68,7 +67,7 @@ def amax_history_update_(
     most_recent: bool,
 ) -> None:
     """The delayed-scaling rule, in place on the device (no host sync); the Python twin of
-    ``torch.ops.scalelab.amax_history_update_`` (``cuda/include/scalelab_rules_more.h``).
+    ``torch.ops.scalelab.amax_history_update_`` (``cuda/include/rules/amax_history.h``).
 
     Args:
         scale: float32 S; history: float32 ``[L]``, newest last; found_inf: float32 flag
@@ -113,7 +112,7 @@ class AmaxHistoryStrategy(Strategy):
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
-        p, s = self.params, self.state
-        kernels.dispatch("amax_history_update_", amax_history_update_, s.scale, s.amax_history, found_inf,
-                         stats.absmax, p.format_max, p.format_max * 2.0 ** -p.margin, p.backoff_factor,
-                         p.algo == "most_recent")
+        p = self.params
+        self.run_update("amax_history_update_", amax_history_update_, history=self.state.amax_history,
+                        found_inf=found_inf, grad_absmax=stats.absmax, scaled_max=p.format_max * 2.0 ** -p.margin,
+                        most_recent=p.algo == "most_recent")

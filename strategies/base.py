@@ -3,8 +3,9 @@
 A strategy is used exactly like GradScaler (``torch/amp/grad_scaler.py``): ``scale(loss)``,
 ``backward()``, optional ``unscale_(optimizer)``, ``step(optimizer)``, ``update()``. A rule is three declarations and one function (see :class:`Strategy` for the list): its
 hyper-parameters (``Params``, a validated dataclass, :mod:`strategies.params`), its device state
-(``state_spec``, :mod:`strategies.state`) and ``update_``, which calls the rule's in-place update
-function through :func:`strategies.kernels.dispatch`. From those the base class derives lazy
+(``state_spec``, :mod:`strategies.state`) and ``update_``, which runs the rule's in-place update
+function (or its kernel) with :meth:`Strategy.run_update`, binding its arguments by name from the
+state and params (:mod:`strategies.binding`). From those the base class derives lazy
 device-resident state, ``state_dict``/``load_state_dict`` (validated before anything changes),
 telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed reduction.
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from strategies import kernels
+from strategies import binding, kernels
 from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams, signature
@@ -126,6 +127,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._pending: dict[str, Any] = {}
         self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._bound: dict[str, tuple[Any, ...]] = {}  # op -> run_update's cached binding.bind(...)
 
     # ------------------------------------------------------------------ hooks (see class docstring)
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
@@ -160,6 +162,20 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     @property
     def group_names(self) -> list[str]:
         return ["all"]
+
+    def run_update(self, op: str, twin: Any, **inputs: Any) -> None:
+        """Run ``torch.ops.scalelab.<op>`` (or its Python ``twin``) with its arguments bound by
+        name (:mod:`strategies.binding`): each parameter of the twin's signature, in its order,
+        is the state tensor of that name, else the ``Params`` field, else the passed input (an
+        input takes the place of a state or field of its name). The bound list is cached per op
+        while ``self.state``, ``self.params`` and the input names are the same (state tensors
+        are updated in place, params replaced whole), so a step only fills in the inputs."""
+        names = tuple(inputs)
+        bound = self._bound.get(op)
+        if bound is None or bound[0] is not self.state or bound[1] is not self.params or bound[2] != names:
+            bound = self._bound[op] = binding.bind(op, twin, self.state, self.params,
+                                                   [s.name for s in self.state_spec], names)
+        kernels.dispatch(op, twin, *bound[4]([*bound[3], *inputs.values()]))
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
@@ -363,8 +379,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
                 all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "sum"], "sum")
                 all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "max"], "max")
             self.update_(found_inf, stats)
-            kernels.dispatch("record_step_", record_step_, state.scale, state.skipped_steps, state.found_inf,
-                             found_inf, self.params.min_scale, self.params.max_scale)
+            self.run_update("record_step_", record_step_, found_state=state.found_inf, found_inf=found_inf)
             if stats is not None:
                 self._last_stats = stats
         self.updates += 1

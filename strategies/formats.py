@@ -8,7 +8,7 @@ changes), which is why several rules keep their scales on that grid (Micikeviciu
 "Mixed Precision Training", arXiv 1710.03740, section 3.2).
 
 The CUDA kernels carry the same numbers in ``cuda/include/`` (``round_down_pow2`` in
-``scalelab_rules.h``; the 2^-14 threshold of the statistics pass).
+``rules/shared.h``; the 2^-14 threshold of the statistics pass).
 """
 
 from __future__ import annotations

@@ -63,7 +63,6 @@ from typing import Optional
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.formats import round_down_pow2
@@ -107,7 +106,7 @@ def hybrid_update_(
     threshold_high: float, threshold_low: float, ratio_ema_decay: float,
 ) -> None:
     """The hybrid rule, in place on the device (no host sync); the Python twin of
-    ``torch.ops.scalelab.hybrid_update_`` (``cuda/include/scalelab_rules_more.h``). Scalar tensors
+    ``torch.ops.scalelab.hybrid_update_`` (``cuda/include/rules/hybrid.h``). Scalar tensors
     but ``grad_absmax``.
 
     Args:
@@ -174,10 +173,8 @@ class HybridStrategy(ReferenceProbe, Strategy):
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
-        s = self.state
         probed, ref, mp = self.probe_sums()
-        zero_frac = stats.fraction(stats.zeros)
-        kernels.dispatch("hybrid_update_", hybrid_update_, s.scale, s.ema, s.ema_steps, s.growth_tracker,
-                         s.candidate, s.log_ratio_ema, s.ratio_steps, s.norm_ratio, s.calibrations, s.zero_frac_prev,
-                         s.zero_jumped, found_inf, stats.absmax, zero_frac, ref, mp, probed,
-                         ReferenceProbe.probe_due(self), *hybrid_hparams(self.params))
+        self.run_update("hybrid_update_", hybrid_update_, last_ratio=self.state.norm_ratio, found_inf=found_inf,
+                        grad_absmax=stats.absmax, zero_frac=stats.fraction(stats.zeros), ref_sumsq=ref, mp_sumsq=mp,
+                        probed=probed, scheduled=ReferenceProbe.probe_due(self),
+                        grow_on_zero=self.params.zero_grads == "grow")

@@ -308,15 +308,20 @@ def _register_fakes() -> None:
         i = [inv_scale.new_empty((num_groups,), dtype=torch.int64) for _ in range(3)]
         return (*f, *i)
 
-    def update_fake(*args: Any) -> None:
-        # Runs for meta tensors too: a real tensor among them means mixed devices, which the real
-        # op refuses with this message (dispatch then runs the Python twin).
-        ts = [a for a in args if isinstance(a, torch.Tensor)]
-        if any(t.device.type == "meta" for t in ts) and any(
-                type(t) is torch.Tensor and t.device.type != "meta" for t in ts):
-            other = next(t for t in ts[1:] if t.device != ts[0].device)
-            raise RuntimeError(f"scalelab: tensor is on {other.device} but the scale is on {ts[0].device}")
-        return None
+    def update_fake(name: str) -> Callable[..., None]:
+        op = getattr(torch.ops.scalelab, name).default
+
+        def fake(*args: Any) -> None:
+            # Runs for meta tensors too: a real tensor among them means mixed devices, which the
+            # real op refuses with this message (dispatch then runs the Python twin).
+            ts = [a for a in args if isinstance(a, torch.Tensor)]
+            if any(t.device.type == "meta" for t in ts) and any(
+                    type(t) is torch.Tensor and t.device.type != "meta" for t in ts):
+                other = next(t for t in ts[1:] if t.device != ts[0].device)
+                raise RuntimeError(f"scalelab: tensor is on {other.device} but the scale is on {ts[0].device}")
+            check_update_args(op, args)
+
+        return fake
 
     def count_fraction_fake(numel: torch.Tensor, counts: torch.Tensor,
                             more: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,9 +333,27 @@ def _register_fakes() -> None:
         elif name == "count_fraction":
             torch.library.register_fake("scalelab::count_fraction", count_fraction_fake)
         elif not getattr(torch.ops.scalelab, name).default._schema.returns:
-            torch.library.register_fake(f"scalelab::{name}", update_fake)
+            torch.library.register_fake(f"scalelab::{name}", update_fake(name))
         else:
             raise RuntimeError(f"scalelab::{name} returns values: give it a fake implementation in kernels.py")
+
+
+def check_update_args(op: Any, args: Sequence[Any]) -> None:
+    """Check the shapes, dtypes and contiguity of an update op's tensor arguments (fake, meta or
+    real, any device) exactly as the op itself does, without touching their values: the op's CPU
+    implementation runs on zero-filled CPU scratch tensors of the same metadata, and its checks
+    (``cuda/cpu/update_cpu.cpp``: each state tensor ``[G]`` or ``[]`` of its dtype, ``found_inf``
+    ``[G]`` or ``[1]``, ...) raise their own ``scalelab: <argument> must ...`` message. So a
+    traced or compiled call (``torch.compile``, FakeTensor mode) refuses what the real op would,
+    and the expectations are written once, in the op. The scratch update is thrown away."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        op(*[_scratch(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+def _scratch(t: torch.Tensor) -> torch.Tensor:
+    """Zeros on the CPU with ``t``'s shape and dtype, contiguous where ``t`` is."""
+    shape = [int(d) for d in t.shape]
+    return torch.zeros(shape, dtype=t.dtype) if t.is_contiguous() else torch.zeros([*shape, 2], dtype=t.dtype)[..., 0]
 
 
 def available() -> bool:

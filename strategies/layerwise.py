@@ -72,7 +72,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 
-from strategies import adaloss, kernels, layer_groups
+from strategies import adaloss, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached, tensors_in
@@ -87,7 +87,7 @@ from strategies.stats import GradStats
 
 RULES = ("max_ema", "backoff_growth", "adaloss")
 """Per-group rules. ``adaloss`` (strategies/adaloss.py) updates through its own op, ``adaloss_step_``
-(CPU twin and CUDA kernel, ``cuda/include/scalelab_rules_adaloss.h``); the other two through
+(CPU twin and CUDA kernel, ``cuda/include/rules/adaloss.h``); the other two through
 ``layerwise_update_``."""
 
 
@@ -507,16 +507,16 @@ class LayerwiseStrategy(Strategy):
             key = (self._generation, s.scale.device)
             if self._weight_stats is None or self._weight_stats[0] != key:  # built once per attach
                 self._weight_stats = (key, adaloss.WeightStats(self._weights, s.scale.device))
-            kernels.dispatch("adaloss_step_", adaloss.adaloss_step_, s.scale, s.overflow_origin, s.ada_g2, s.ada_n,
-                             s.ada_gmax, found_inf, stats.found_inf, s.emitted, s.contaminated,
-                             *self._weight_stats[1](), adaloss.quantile(p.underflow_rate), p.format_min,
-                             p.format_max, p.layer_cap, p.total_cap, p.backoff_factor, lo, hi)
+            w2, wmax, fan = self._weight_stats[1]()
+            self.run_update("adaloss_step_", adaloss.adaloss_step_, scales=s.scale, origin=s.overflow_origin,
+                            g2=s.ada_g2, n=s.ada_n, gmax=s.ada_gmax, found_inf=found_inf, group_found_inf=stats.found_inf,
+                            w2=w2, wmax=wmax, fan=fan, quantile=adaloss.quantile(p.underflow_rate), u_min=p.format_min,
+                            u_max=p.format_max, min_scale=lo, max_scale=hi)
         else:
-            kernels.dispatch("layerwise_update_", layerwise_update_, s.scale, s.growth_tracker, s.ema, s.ema_steps,
-                             s.hysteresis, s.candidate, s.overflow_origin, found_inf, stats.found_inf, stats.absmax,
-                             stats.numel, s.emitted, s.contaminated, p.rule, p.target_max, p.ema_decay,
-                             p.growth_factor, p.backoff_factor, p.growth_interval, p.zero_grads == "grow", lo, hi,
-                             p.cap_ema_on_overflow)
+            self.run_update("layerwise_update_", layerwise_update_, scales=s.scale, growth_trackers=s.growth_tracker,
+                            origin=s.overflow_origin, found_inf=found_inf, group_found_inf=stats.found_inf,
+                            group_absmax=stats.absmax, group_numel=stats.numel, grow_on_zero=p.zero_grads == "grow",
+                            min_scale=lo, max_scale=hi)
         self._unscale_pending = False
         if self._handle is not None:  # only the boundary hooks write them
             s.contaminated.zero_()

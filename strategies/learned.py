@@ -115,7 +115,7 @@ def learned_update_(
     growth_factor: float, backoff_factor: float, growth_interval: int,
 ) -> None:
     """The learned rule, in place on the device (no host sync); the Python twin of
-    ``torch.ops.scalelab.learned_update_`` (``cuda/include/scalelab_rules_more.h``). Scalar tensors
+    ``torch.ops.scalelab.learned_update_`` (``cuda/include/rules/learned.h``). Scalar tensors
     but ``grad_absmax``.
 
     log2, exp2 and sqrt are evaluated in double and rounded once to float32
@@ -190,8 +190,5 @@ class LearnedStrategy(Strategy):
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
-        s = self.state
-        u = stats.fraction(stats.zeros, stats.subnormals)
-        kernels.dispatch("learned_update_", learned_update_, s.scale, s.growth_tracker, s.adam_m, s.adam_v,
-                         s.adam_t, s.log2_scale, s.surrogate_loss, s.surrogate_grad, s.underflow_frac, found_inf,
-                         stats.absmax, u, *learned_hparams(self.params))
+        self.run_update("learned_update_", learned_update_, found_inf=found_inf, grad_absmax=stats.absmax,
+                        underflow=stats.fraction(stats.zeros, stats.subnormals))

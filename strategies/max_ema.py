@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.formats import FP16_MAX, round_down_pow2
@@ -171,9 +170,6 @@ class MaxEmaStrategy(Strategy):
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
-        p, s = self.params, self.state
         g = stats.absmax.view(()) if stats.absmax.numel() == 1 else stats.absmax.amax()  # a view: no op
-        kernels.dispatch("max_ema_update_", max_ema_update_, s.scale, s.ema, s.ema_steps, s.growth_tracker,
-                         s.candidate, found_inf, g, p.target_max, p.ema_decay, p.growth_factor,
-                         p.backoff_factor, p.growth_interval, p.round_pow2, p.zero_grads == "grow",
-                         p.cap_ema_on_overflow)
+        self.run_update("max_ema_update_", max_ema_update_, found_inf=found_inf, grad_absmax=g,
+                        grow_on_zero=self.params.zero_grads == "grow")

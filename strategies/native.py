@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.floor import FLOOR_FAULT, FloorParams, record_fault_
@@ -128,8 +127,6 @@ class NativeStrategy(Strategy):
             torch._amp_update_scale_(s.scale, s.growth_tracker, found_inf,
                                      p.growth_factor, p.backoff_factor, p.growth_interval)
         else:
-            kernels.dispatch("native_update_", native_update_, s.scale, s.growth_tracker,
-                             s.hysteresis_tracker, found_inf, p.growth_factor, p.backoff_factor,
-                             p.growth_interval, p.hysteresis)
+            self.run_update("native_update_", native_update_, found_inf=found_inf)
             if p.hysteresis_refill == "clean_step":
                 refill_on_clean_step_(s.hysteresis_tracker, found_inf, p.hysteresis)

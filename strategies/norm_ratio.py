@@ -62,7 +62,6 @@ from dataclasses import dataclass
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.params import ScalerParams, hp
@@ -134,8 +133,6 @@ class NormRatioStrategy(ReferenceProbe, Strategy):
     probe_fallback = "backoff/growth (native)"
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        p, s = self.params, self.state
         probed, ref, mp = self.probe_sums()
-        kernels.dispatch("norm_ratio_update_", norm_ratio_update_, s.scale, s.growth_tracker, s.log_ratio_ema,
-                         s.ema_steps, s.norm_ratio, found_inf, ref, mp, probed, p.growth_factor,
-                         p.backoff_factor, p.growth_interval, p.threshold_high, p.threshold_low, p.ema_decay)
+        self.run_update("norm_ratio_update_", norm_ratio_update_, last_ratio=self.state.norm_ratio,
+                        found_inf=found_inf, ref_sumsq=ref, mp_sumsq=mp, probed=probed)

@@ -33,7 +33,6 @@ from typing import Optional
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.floor import FLOOR_FAULT, FloorParams, record_fault_
@@ -60,7 +59,7 @@ def tolerance_update_(
 ) -> None:
     """fairseq's rule, in place on the device (no host sync); see the module docstring. The Python
     twin (and oracle) of the fused op ``torch.ops.scalelab.tolerance_update_`` (same arguments),
-    which the strategy runs through :func:`strategies.kernels.dispatch`.
+    which the strategy runs through :meth:`strategies.base.Strategy.run_update`.
 
     Args:
         scale: float32 S; growth_tracker: int32 t; since_rescale: int64 r (>= 1); overflows:
@@ -115,8 +114,5 @@ class ToleranceStrategy(Strategy):
     )
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
-        p, s = self.params, self.state
-        fault = s.fault if p.on_min_scale == "raise" else None
-        kernels.dispatch("tolerance_update_", tolerance_update_, s.scale, s.growth_tracker, s.since_rescale,
-                         s.overflows_since_rescale, found_inf, p.growth_factor, p.backoff_factor, p.growth_interval,
-                         p.tolerance, p.threshold, fault, p.min_scale, self.updates + 1)
+        self.run_update("tolerance_update_", tolerance_update_, overflows=self.state.overflows_since_rescale,
+                        found_inf=found_inf, step=self.updates + 1)

@@ -35,7 +35,6 @@ from typing import Any, Iterable
 
 import torch
 
-from strategies import kernels
 from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, ScaledBackwards, layers
@@ -58,7 +57,7 @@ def underflow_target_update_(
     observed: bool,
 ) -> None:
     """The rule, in place on the device (no host sync); clears ``exp_hist`` (float32 counts). The
-    Python twin of ``torch.ops.scalelab.underflow_target_update_`` (``scalelab_rules_more.h``):
+    Python twin of ``torch.ops.scalelab.underflow_target_update_`` (``cuda/include/rules/underflow_target.h``):
     the counts are summed in double, exactly as long as they are integers below 2^53."""
     h = exp_hist.double()
     n = h.sum()
@@ -139,7 +138,5 @@ class UnderflowTargetStrategy(Strategy):
             warnings.warn("underflow_target: not attached (attach(model)) — no activation gradients observed; "
                           "the scale only backs off on overflow", stacklevel=3)
             self._warned = True
-        p, s = self.params, self.state
-        kernels.dispatch("underflow_target_update_", underflow_target_update_, s.scale, s.exp_hist, found_inf,
-                         p.target, p.target_max, p.smallest_normal, p.growth_factor, p.backoff_factor, p.max_shift,
-                         self._handle is not None)
+        self.run_update("underflow_target_update_", underflow_target_update_, found_inf=found_inf,
+                        observed=self._handle is not None)

@@ -1,11 +1,12 @@
 // The update ops: each checks the strategy's state and statistics tensors, builds its rule's
-// functor (scalelab_rules.h) from them and runs it in place: on the CPU here (the CPU twin of the
+// functor (include/rules/<rule>.h) from them and runs it in place: on the CPU here (the CPU twin of the
 // CUDA kernels: a loop over groups), on the GPU through update_kernels.cu (one thread per group,
 // on torch's current stream, no host sync) when the extension is built with CUDA. Both devices
 // run the same functor, so one op implementation serves both registrations below.
 //
 // A new rule adds: its op function (checks, parameters, functor, run) and one line in
-// register_update_ops.
+// register_update_ops. The checks are also the fake's (strategies.kernels.check_update_args runs
+// the op on scratch tensors of the traced arguments' shapes and dtypes).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies import kernels
+from strategies import binding, kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 from tests.cuda.gradients import assert_bits_equal, make_grads
 from tests.cuda.samples import SAMPLES, TWINS
@@ -168,3 +168,21 @@ def test_stats_op_declines_other_dtypes_before_touching_values(ops):
     a = [torch.ones(40_000), torch.tensor([4.0, 0.0], dtype=torch.float64)]
     assert kernels.unscale_and_stats(a, torch.tensor(0.5), None, 1) is None
     assert torch.equal(a[0], torch.ones(40_000)) and a[1].tolist() == [4.0, 0.0]
+
+
+def test_a_twin_that_disagrees_with_the_schema_is_refused_at_its_first_bind(ops):
+    """The twin's signature is the one source of the argument order; an op schema naming other
+    arguments, or the same in another order, is a RuntimeError naming the op and both lists."""
+
+    def swapped(scale, growth_tracker, hysteresis_tracker, found_inf, backoff_factor, growth_factor,
+                growth_interval, hysteresis):
+        pass
+
+    def renamed(scale, tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+                growth_interval, hysteresis):
+        pass
+
+    for twin in (swapped, renamed):
+        with pytest.raises(RuntimeError, match=r"^scalelab::native_update_: the op's schema arguments"):
+            binding.check_schema("native_update_", twin)
+    binding.check_schema("native_update_", TWINS["native_update_"])  # the real twin agrees

@@ -1,4 +1,4 @@
-"""GPU cases the kernel tests of test_gpu.py / test_gpu_more.py leave open (issue 24, item 4);
+"""GPU cases the kernel tests of test_gpu.py / test_gpu_trajectories.py leave open (issue 24, item 4);
 skipped without CUDA.
 
 * the single-scale statistics path (one ``inv_scale`` for every group) against the plain-torch

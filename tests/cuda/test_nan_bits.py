@@ -2,7 +2,7 @@
 operand quietened (payload and sign kept), or the host's default NaN for an invalid operation
 (0/0: 0xffc00000 on x86-64). The CUDA kernels rewrite their canonical 0x7fffffff into these bits
 (``host_nan`` in cuda/include/scalelab_common.h); a host program checks that rule against the
-CPU's own arithmetic, and the ops against the twins (test_gpu_more.py runs the kernels)."""
+CPU's own arithmetic, and the ops against the twins (test_gpu_trajectories.py runs the kernels)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_max_ema_candidate_of_a_nan_absmax_is_that_nan_quietened(ops, nan):
 
 @pytest.mark.parametrize("nan", NAN_BITS, ids=hex)
 def test_hybrid_candidate_of_a_nan_absmax_is_torchs_nan(ops, nan):
-    """The GPU run's failing case (test_gpu_more.py, hybrid, state 4): G = amax over the groups is
+    """The GPU run's failing case (test_gpu_trajectories.py, hybrid, state 4): G = amax over the groups is
     NaN (torch.amax writes 0x7fc00000 whatever the payload), found_inf 0."""
     state = (torch.tensor(2.0**15), torch.zeros(()), torch.zeros((), **I32), torch.zeros((), **I32),
              torch.zeros(()), torch.zeros(()), torch.zeros((), **I32), torch.zeros(()), torch.zeros((), **I64),

@@ -1,6 +1,6 @@
 """Long random trajectories of every update op's arguments, and the bit-exact comparison of an
 op's state with its Python twin's: shared by the CPU-twin tests (test_update_ops.py,
-test_update_ops_more.py), the GPU tests (test_gpu_cases.py, test_gpu_more.py) and the special-value
+test_update_trajectories.py), the GPU tests (test_gpu_cases.py, test_gpu_trajectories.py) and the special-value
 tests (test_found_inf.py, test_nan_bits.py, test_many_groups.py)."""
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ TRAJECTORIES = {
     "tolerance_update_": (tolerance_update_, tolerance_trajectory, TOLERANCE_CASES),
     "adaloss_step_": (adaloss_step_, adaloss_trajectory, ADALOSS_CASES),
 }
-"""op -> (Python twin, trajectory builder, cases); test_gpu_more.py runs the same trajectories on CUDA."""
+"""op -> (Python twin, trajectory builder, cases); test_gpu_trajectories.py runs the same trajectories on CUDA."""
 
 CASES = [(op, case) for op, (_, _, cases) in TRAJECTORIES.items() for case in cases]
 

@@ -1,9 +1,9 @@
-// scalelab_rules_layerwise.h — layerwise's per-group rule (strategies/layerwise.py
-// layerwise_update_, rules max_ema and backoff_growth), in the form of scalelab_rules.h (which
-// includes this file at its end; a file of its own for the 400-line limit).
+// rules/layerwise.h — layerwise's per-group rule (strategies/layerwise.py layerwise_update_, rules
+// max_ema and backoff_growth).
 #pragma once
 
-#include "scalelab_rules.h"
+#include "rules/max_ema.h"
+#include "rules/native.h"
 
 namespace scalelab {
 namespace rules {

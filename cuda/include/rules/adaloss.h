@@ -1,6 +1,5 @@
-// scalelab_rules_adaloss.h — AdaLoss, `layerwise` with `rule: adaloss` (strategies/adaloss.py
-// adaloss_step_), in the form of scalelab_rules.h (which includes this file at its end). Each
-// group's fresh scale depends on the one above it (a scan from the loss downwards); everything
+// rules/adaloss.h — AdaLoss, `layerwise` with `rule: adaloss` (strategies/adaloss.py
+// adaloss_step_). Each group's fresh scale depends on the one above it (a scan from the loss downwards); everything
 // else is per group.
 //
 //   skip = found_inf != 0; blamed as layerwise (overflow_origin)
@@ -18,7 +17,7 @@
 // steps, whose new scales are discarded.
 #pragma once
 
-#include "scalelab_rules.h"
+#include "rules/layerwise.h"
 
 namespace scalelab {
 namespace rules {

@@ -1,6 +1,6 @@
 """The CUDA kernels of amax_history (one block), hybrid, learned, underflow_target, tolerance
-(scalelab_rules_more.h, one thread each) and AdaLoss (one block) against the CPU op and the Python twin, over the trajectories of
-test_update_ops_more.py, without a host sync; the sync-free exponent histogram of
+(one thread each) and AdaLoss (one block) against the CPU op and the Python twin, over the trajectories of
+test_update_trajectories.py, without a host sync; the sync-free exponent histogram of
 underflow_target's hook on CUDA; and every rule's epilogue ops (record_step_, count_fraction).
 Skipped without a GPU.
 

@@ -1,6 +1,6 @@
-"""The update ops of amax_history, hybrid, learned, underflow_target, tolerance (cuda/include/
-scalelab_rules_more.h) and layerwise's AdaLoss (scalelab_rules_adaloss.h), the CPU twin of their
-CUDA kernels, equal their strategies' Python twins,
+"""The update ops of the rules in tests/cuda/trajectories.py (amax_history, hybrid, learned,
+underflow_target, tolerance: cuda/include/rules/<rule>.h, and layerwise's AdaLoss:
+rules/adaloss.h), the CPU twin of their CUDA kernels, equal their strategies' Python twins,
 bit for bit on every state tensor, over long random trajectories.
 
 learned and hybrid's probe evaluate log2 / exp2 / pow in double and round once to float32 on
