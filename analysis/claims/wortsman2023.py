@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from analysis.claims.base import Claim, ClaimRuns, Finding, INCONCLUSIVE, direction, share
+from analysis.claims.base import Claim, ClaimRuns, Finding, INCONCLUSIVE, _select, direction, share
 
 __all__ = ["ARMS", "CLAIM", "L0", "LR", "QK", "evaluate", "lr_sensitivity", "per_seed_metric",
            "sensitivities"]
@@ -68,13 +68,6 @@ def lr_sensitivity(losses: Mapping[float, float], l0: float) -> float:
         raise ValueError("losses must hold at least one learning rate, got none")
     vals = np.array([math.inf if math.isnan(v) else float(v) for v in losses.values()])
     return float(np.mean(np.minimum(vals, l0)) - np.min(vals))
-
-
-def _select(runs: pd.DataFrame, where: Mapping[str, Any]) -> pd.DataFrame:
-    mask = pd.Series(True, index=runs.index)
-    for col, value in where.items():
-        mask &= runs[col].map(lambda v, value=value: v == value)
-    return runs[mask]
 
 
 def _final_loss(run: pd.Series) -> float | None:
