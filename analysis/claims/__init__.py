@@ -7,5 +7,7 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 from __future__ import annotations
 
 from analysis.claims.base import Claim
+from analysis.claims.wortsman2023 import CLAIM as wortsman2023_CLAIM
 
 CLAIMS: list[Claim] = []
+CLAIMS.append(wortsman2023_CLAIM)
