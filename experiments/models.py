@@ -24,6 +24,10 @@ default so the standard models are unchanged:
   attention-logit growth at high learning rate of Wortsman et al. 2023 ("Small-scale proxies
   for large-scale Transformer training instabilities", Sec. 3.1). ``qk_norm=True`` is their fix:
   LayerNorm on the queries and keys (per head) before the dot product.
+
+``GPT(unit_scaled=True)`` is the unit-scaled variant of Blake et al. 2023 (``experiments/
+unit_scaling.py``): same layout and parameter names, unit-variance weights, scale factors outside
+the weights, and the loss gradient scaled so that activation gradients start at unit scale.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments import unit_scaling
 from experiments.options import check_option
 
 __all__ = ["GPT", "MLP", "CNN"]
@@ -145,6 +150,7 @@ class GPT(nn.Module):
         qk_norm: bool = False,
         attention: str = "sdpa",
         ffn_gain: float = 1.0,
+        unit_scaled: bool = False,
     ) -> None:
         super().__init__()
         _check("vocab_size", vocab_size, 2)
@@ -161,15 +167,23 @@ class GPT(nn.Module):
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         if not isinstance(qk_norm, bool):
             raise ValueError(f"model.qk_norm must be true or false, got {qk_norm!r}")
+        if not isinstance(unit_scaled, bool):
+            raise ValueError(f"model.unit_scaled must be true or false, got {unit_scaled!r}")
         self.block_size = block_size
-        self.embed = Embed(vocab_size, block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, qk_norm, attention) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith(("proj.weight", "fc_out.weight")):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+        self.unit_scaled = unit_scaled
+        if unit_scaled:  # experiments/unit_scaling.py: unit-variance init, scales outside the weights
+            unit_scaling.check_gpt(qk_norm, attention, ffn_gain)
+            self.embed, self.blocks, self.ln_f, self.head = unit_scaling.gpt_layers(
+                vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+        else:
+            self.embed = Embed(vocab_size, block_size, n_embd)
+            self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, qk_norm, attention) for _ in range(n_layer))
+            self.ln_f = nn.LayerNorm(n_embd)
+            self.head = nn.Linear(n_embd, vocab_size, bias=False)
+            self.apply(self._init)
+            for name, p in self.named_parameters():
+                if name.endswith(("proj.weight", "fc_out.weight")):
+                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
         _scale_init(self, init_scale)
         if ffn_gain != 1.0:
             with torch.no_grad():
@@ -191,7 +205,8 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x))
+        return unit_scaling.loss_grad_scale(logits) if self.unit_scaled else logits
 
 
 class MLP(nn.Module):
