@@ -124,6 +124,13 @@ def test_cross_entropy_and_the_loops_mean_loss_give_the_library_gradient():
     want = (z.detach().softmax(-1) - F.one_hot(y.view(B, T), V)) * V / (V - 1) ** 0.5
     torch.testing.assert_close(gz, want, rtol=1e-5, atol=1e-6)  # loss_grad_scale computes in fp32
     assert gz.std().item() == pytest.approx(1.0, rel=0.1)  # unit at a near-uniform softmax
+    # fp16 logits (autocast's head) over many positions: the mean's 1/N gradient (~1/(N V) ~ 4e-6,
+    # fp16-subnormal) is undone in fp32, so the fp16 gradient is the unit one rounded once
+    z16 = torch.randn(64, 64, V).half().requires_grad_()
+    y16 = torch.randint(0, V, (64, 64))
+    recipe.loss(us.loss_grad_scale(z16), y16).backward()
+    want = (z16.detach().float().softmax(-1) - F.one_hot(y16, V)) * V / (V - 1) ** 0.5
+    torch.testing.assert_close(z16.grad.float(), want.half().float(), rtol=2e-3, atol=1e-4)
 
 
 def test_dropout_scales():
