@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -88,11 +89,13 @@ def test_the_experiment_end_to_end_at_toy_size(tmp_path: Path):
     for extra in CLAIM.sweeps:
         proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", "+experiment=repro_unit_scaling",
                                *extra, f"hydra.sweep.dir={tmp_path}", "logger=none", "train.steps=6",
-                               "train.log_every=3", "hydra.sweeper.params.seed=0,1"],
+                               "train.log_every=3", "seed=0,1"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     runs = load_claim_runs(tmp_path, CLAIM.factors)
     assert len(runs.runs) == 14 and set(runs.runs["status"]) == {"completed"}
-    assert set(runs.runs["optimizer.lr"]) == {0.01, 0.1}  # the learning rate follows model.unit_scaled
+    for _, run in runs.runs.iterrows():  # the learning rate follows model.unit_scaled
+        lr = json.loads((Path(run["run_dir"]) / "summary.json").read_text())["fingerprint"]["config"]["optimizer"]["lr"]
+        assert lr == (0.1 if run["model.unit_scaled"] else 0.01)
     findings = CLAIM.evaluate(runs)
     assert len(findings) == 7 and all(f.n == 2 and f.verdict == INCONCLUSIVE for f in findings)
