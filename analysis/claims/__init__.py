@@ -7,7 +7,6 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 from __future__ import annotations
 
 from analysis.claims.base import Claim
-from analysis.claims.base import Claim
 from analysis.claims.unit_scaling import CLAIM as unit_scaling_CLAIM
 from analysis.claims.wortsman2023 import CLAIM as wortsman2023_CLAIM
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pandas as pd
 
-from analysis.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity
+from analysis.claims.base import Claim, ClaimRuns, Finding, _select, direction, paired_values, parity
 
 __all__ = ["CLAIM", "MARGIN", "evaluate"]
 
@@ -43,10 +43,8 @@ def _with_underflow(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _share(runs: pd.DataFrame, where: dict) -> str:
     """The mean ``underflow`` of the completed runs matching ``where``, as a percentage."""
-    mask = runs["status"] == "completed"
-    for col, value in where.items():
-        mask &= runs[col].map(lambda v, value=value: v == value).astype(bool)
-    vals = runs.loc[mask, "underflow"].dropna()
+    sel = _select(runs, where)
+    vals = sel.loc[sel["status"] == "completed", "underflow"].dropna()
     return f"{vals.mean():.1%} of entries ({len(vals)} runs)" if len(vals) else "no telemetry"
 
 
