@@ -7,5 +7,7 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 from __future__ import annotations
 
 from analysis.claims.base import Claim
+from analysis.claims.fp8 import CLAIM as FP8_CLAIM
 
 CLAIMS: list[Claim] = []
+CLAIMS.append(FP8_CLAIM)
