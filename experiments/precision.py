@@ -2,16 +2,16 @@
 
 Modes (``conf/precision/*.yaml``):
 
-======== ================== ===================== =========== ===============
-name     forward            activation gradients  max         smallest normal
-======== ================== ===================== =========== ===============
-fp32     float32            float32               3.4028e38   2^-126
-fp16     autocast float16   float16 (real)        65504       2^-14
-bf16     autocast bfloat16  bfloat16 (real)       3.3895e38   2^-126
-fp8_e4m3 autocast bfloat16  bf16 -> e4m3fn -> bf16 448         2^-6
-fp8_e5m2 autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
-fp8_hy.. autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
-======== ================== ===================== =========== ===============
+========== ================== ===================== =========== ===============
+name       forward            activation gradients  max         smallest normal
+========== ================== ===================== =========== ===============
+fp32       float32            float32               3.4028e38   2^-126
+fp16       autocast float16   float16 (real)        65504       2^-14
+bf16       autocast bfloat16  bfloat16 (real)       3.3895e38   2^-126
+fp8_e4m3   autocast bfloat16  bf16 -> e4m3fn -> bf16 448         2^-6
+fp8_e5m2   autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
+fp8_hybrid autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
+========== ================== ===================== =========== ===============
 
 ``fp8_hybrid`` (TransformerEngine's ``Format.HYBRID``) also casts the forward: every ``nn.Linear``'s
 input and weight go through E4M3 (``forward_format``; :mod:`experiments.fp8_forward`), and the cast

@@ -11,6 +11,8 @@ measure is the final evaluation loss (nats) of each seed, differences paired by 
 
 from __future__ import annotations
 
+import pandas as pd
+
 from analysis.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity
 
 __all__ = ["CLAIM", "MARGIN", "ROLE_COLUMNS", "evaluate"]
@@ -42,6 +44,15 @@ def _fp8(activation: str, weight: str, gradient: str) -> dict:
 CURRENT = _fp8("current", "current", "current")
 
 
+def _skips(runs: pd.DataFrame, where: dict) -> str:
+    """Mean skipped steps (the loss scaler's overflows) of the completed runs matching ``where``."""
+    mask = runs["status"] == "completed"
+    for col, value in where.items():
+        mask &= runs[col].map(lambda v, value=value: v == value).astype(bool)
+    vals = pd.to_numeric(runs.loc[mask, "skipped_steps"], errors="coerce").dropna() if "skipped_steps" in runs else []
+    return f"{vals.mean():.1f} skipped steps per run" if len(vals) else "skipped steps not recorded"
+
+
 def evaluate(runs: ClaimRuns) -> list[Finding]:
     """(i) parity of all-current fp8 with bf16; (ii) delayed in one role minus all-current, per role;
     (iii) no cast scaling minus all-current."""
@@ -54,9 +65,11 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
         arm = dict(CURRENT, **{ROLE_COLUMNS[role]: "delayed"})
         a, b = paired_values(r, arm, CURRENT)
         out.append(direction(f"{loss}, delayed scaling of the {role} role (current in the others) minus all-current",
-                             _TORCHAO, a, b, "higher"))
-    a, b = paired_values(r, _fp8("none", "none", "none"), CURRENT)
-    out.append(direction(f"{loss}, no cast scaling in any role minus all-current", _NONE, a, b, "higher"))
+                             _TORCHAO, a, b, "higher", f"{_skips(r, arm)} (all-current: {_skips(r, CURRENT)})"))
+    none = _fp8("none", "none", "none")
+    a, b = paired_values(r, none, CURRENT)
+    out.append(direction(f"{loss}, no cast scaling in any role minus all-current", _NONE, a, b, "higher",
+                         f"{_skips(r, none)} (all-current: {_skips(r, CURRENT)})"))
     return out
 
 
@@ -97,6 +110,6 @@ CLAIM = Claim(
     ),
     evaluate=evaluate,
     sweeps=((), ("precision=bf16", "++precision.cast_scaling_roles=null")),
-    quick=("train.steps=20",),
+    quick=("train.steps=10", "train.batch_size=8"),
     factors=tuple(ROLE_COLUMNS.values()),
 )

@@ -29,6 +29,7 @@ def _runs(loss, seeds: int = 10, status=lambda arm, seed: "completed") -> ClaimR
     for arm in ARMS:
         for seed in range(seeds):
             row = {"precision": arm[0], "seed": seed, "status": status(arm, seed), "strategy": "native",
+                   "skipped_steps": 2 if arm[3] == "delayed" else 0,
                    "final_eval_loss": loss(arm, seed) + 0.001 * rng.standard_normal()}
             row.update({ROLE_COLUMNS[r]: v for r, v in zip(("activation", "weight", "gradient"), arm[1:])})
             rows.append(row)
@@ -45,6 +46,7 @@ def test_parity_and_every_penalty_reproduce_when_the_runs_show_them():
     assert [f.verdict for f in findings] == [REPRODUCED] * 5
     assert [round(f.estimate, 2) for f in findings] == [0.0, 0.01, 0.02, 0.05, 0.2]
     assert "activation" in findings[1].measure and "gradient" in findings[3].measure
+    assert findings[3].note == "2.0 skipped steps per run (all-current: 0.0 skipped steps per run)"
     assert f"±{MARGIN:g}" in findings[0].note and all(f.paper and f.n == 10 for f in findings)
 
 
@@ -79,7 +81,7 @@ def test_the_experiment_end_to_end_at_toy_size(tmp_path: Path):
     for extra in CLAIM.sweeps:
         proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", "+experiment=repro_fp8", *extra,
                                f"hydra.sweep.dir={tmp_path}", "logger=none", "train.steps=4", "train.log_every=2",
-                               "hydra.sweeper.params.seed=0,1"],
+                               "seed=0,1"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
     runs = load_claim_runs(tmp_path, CLAIM.factors)
