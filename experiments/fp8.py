@@ -10,7 +10,8 @@ before the cast and divided by it after, so ``q = fp8(g * s) / s``:
   (TE's current scaling);
 * ``delayed`` — ``s = fmt_max / max(history) / 2^margin``, the history being the abs-maxes of
   the last ``history_len`` gradients of the same layer (before this one; TE's ``DelayedScaling``
-  with ``amax_compute_algo="max"``); this gradient's abs-max joins the history afterwards.
+  with ``amax_compute_algo="max"``); this gradient's abs-max joins the history afterwards
+  (unless the call says ``record=False``: an evaluation forward uses the scale, adds nothing).
 
 ``s`` stays 1 while the abs-max is 0 or non-finite (nothing to place, or an overflow that the
 loss scaler must see as it is). **Rounding** is ``nearest`` (torch's cast: round to nearest
@@ -74,7 +75,9 @@ class CastScaler:
         s = self.fmt_max / amax / 2.0**self.margin
         return torch.where(torch.isfinite(amax) & (amax > 0) & torch.isfinite(s), s, torch.ones_like(s))
 
-    def __call__(self, layer: str, g: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: str, g: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """``g`` quantised and dequantised with the cast scale of tensor ``layer``; with ``record``
+        (the default) its abs-max joins that tensor's delayed-scaling history."""
         amax = g.detach().abs().amax().float()
         if self.cast_scaling == "current":
             s = self._scale(amax)
@@ -83,7 +86,7 @@ class CastScaler:
             if hist is None:
                 hist = self._history[layer] = torch.zeros(self.history_len, device=g.device)
             s = self._scale(hist.amax())
-            finite = torch.isfinite(amax)
+            finite = torch.isfinite(amax) & record
             hist.copy_(torch.where(finite, torch.cat([amax.reshape(1), hist[:-1]]), hist))  # roll in, newest first
         else:
             s = None

@@ -2,15 +2,21 @@
 
 Modes (``conf/precision/*.yaml``):
 
-======== ================== ===================== =========== ===============
-name     forward            activation gradients  max         smallest normal
-======== ================== ===================== =========== ===============
-fp32     float32            float32               3.4028e38   2^-126
-fp16     autocast float16   float16 (real)        65504       2^-14
-bf16     autocast bfloat16  bfloat16 (real)       3.3895e38   2^-126
-fp8_e4m3 autocast bfloat16  bf16 -> e4m3fn -> bf16 448         2^-6
-fp8_e5m2 autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
-======== ================== ===================== =========== ===============
+========== ================== ===================== =========== ===============
+name       forward            activation gradients  max         smallest normal
+========== ================== ===================== =========== ===============
+fp32       float32            float32               3.4028e38   2^-126
+fp16       autocast float16   float16 (real)        65504       2^-14
+bf16       autocast bfloat16  bfloat16 (real)       3.3895e38   2^-126
+fp8_e4m3   autocast bfloat16  bf16 -> e4m3fn -> bf16 448         2^-6
+fp8_e5m2   autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
+fp8_hybrid autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
+========== ================== ===================== =========== ===============
+
+``fp8_hybrid`` (TransformerEngine's ``Format.HYBRID``) also casts the forward: every ``nn.Linear``'s
+input and weight go through E4M3 (``forward_format``; :mod:`experiments.fp8_forward`), and the cast
+scaling is chosen per tensor role, ``cast_scaling_roles: {activation, weight, gradient}`` (the
+gradient role is ``cast_scaling``, the backward quantiser below).
 
 ``fp16``/``bf16`` are ``torch.autocast`` on the configured device: on CPU as on CUDA, matmuls and
 convolutions run in the low-precision type and their activation gradients are real fp16/bf16
@@ -45,6 +51,7 @@ import torch
 from torch import nn
 
 from experiments.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
+from experiments.fp8_forward import FORWARD_ROLES, LinearCasts
 from strategies.boundaries import Boundaries, Trace, layers
 from strategies.stats import exponent_histogram, fold_histogram, zeros_and_subnormals
 
@@ -60,7 +67,8 @@ _DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-NAMES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+NAMES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
+ROLES = (*FORWARD_ROLES, "gradient")
 
 
 def _dtype(field: str, name: str | None) -> torch.dtype | None:
@@ -80,6 +88,10 @@ class Precision:
     ``max`` / ``smallest_normal``: the range of the format the activation gradients live in;
     ``cast_scaling`` (``none`` | ``current`` | ``delayed``, with ``history_len`` and ``margin``)
     and ``rounding`` (``nearest`` | ``stochastic``): the fp8 quantiser (:mod:`experiments.fp8`).
+    ``forward_format``: the fp8 format of every ``nn.Linear``'s input and weight (``None`` = no
+    forward cast), with the cast scalings ``activation_scaling`` and ``weight_scaling``
+    (:mod:`experiments.fp8_forward`). ``cast_scaling_roles: {activation, weight, gradient}`` in
+    the YAML sets the three (``gradient`` is ``cast_scaling``).
     """
 
     name: str
@@ -91,6 +103,9 @@ class Precision:
     rounding: str = "nearest"
     history_len: int = 1024
     margin: int = 0
+    forward_format: torch.dtype | None = None
+    activation_scaling: str = "none"
+    weight_scaling: str = "none"
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Precision":
@@ -110,6 +125,19 @@ class Precision:
             raise ValueError(f"precision.max and precision.smallest_normal must satisfy 0 < smallest_normal < max, got {sn}, {mx}")
         fp8 = {k: cfg.get(k, d) for k, d in (("cast_scaling", "none"), ("rounding", "nearest"),
                                                  ("history_len", 1024), ("margin", 0))}
+        forward_format = _dtype("forward_format", cfg.get("forward_format"))
+        if forward_format is not None and forward_format not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"precision.forward_format must be float8_e4m3fn, float8_e5m2 or null, "
+                             f"got {cfg.get('forward_format')!r}")
+        roles = _roles(cfg)
+        if "gradient" in roles:
+            if "cast_scaling" in cfg and cfg["cast_scaling"] != roles["gradient"]:
+                raise ValueError(f"precision.cast_scaling ({cfg['cast_scaling']!r}) and "
+                                 f"precision.cast_scaling_roles.gradient ({roles['gradient']!r}) disagree; set one")
+            fp8["cast_scaling"] = roles["gradient"]
+        if forward_format is None and any(roles.get(r, "none") != "none" for r in FORWARD_ROLES):
+            raise ValueError(f"precision.cast_scaling_roles.activation and .weight apply to modes with a "
+                             f"forward_format only, not to {name}")
         for key, allowed in (("cast_scaling", CAST_SCALINGS), ("rounding", ROUNDINGS)):
             if fp8[key] not in allowed:
                 raise ValueError(f"precision.{key} must be one of {', '.join(allowed)}, got {fp8[key]!r}")
@@ -119,13 +147,29 @@ class Precision:
         if grad_format is None and (fp8["cast_scaling"] != "none" or fp8["rounding"] != "nearest"):
             raise ValueError(f"precision.cast_scaling and precision.rounding apply to the fp8 modes only, "
                              f"not to {name}")
-        return cls(name, autocast, grad_format, mx, sn, **fp8)
+        return cls(name, autocast, grad_format, mx, sn, **fp8, forward_format=forward_format,
+                   activation_scaling=roles.get("activation", "none"), weight_scaling=roles.get("weight", "none"))
 
     def autocast_context(self, device: torch.device) -> contextlib.AbstractContextManager:
         """``torch.autocast(device.type, dtype)`` for low-precision modes; a null context for fp32."""
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast)
+
+
+def _roles(cfg: dict) -> dict[str, str]:
+    """``precision.cast_scaling_roles`` checked: a mapping (or null) of roles to cast scalings."""
+    roles = cfg.get("cast_scaling_roles")
+    if roles is None:
+        return {}
+    if not isinstance(roles, dict) or not set(roles) <= set(ROLES):
+        raise ValueError(f"precision.cast_scaling_roles must be null or a mapping with keys among "
+                         f"{', '.join(ROLES)}, got {roles!r}")
+    for role, scaling in roles.items():
+        if scaling not in CAST_SCALINGS:
+            raise ValueError(f"precision.cast_scaling_roles.{role} must be one of {', '.join(CAST_SCALINGS)}, "
+                             f"got {scaling!r}")
+    return dict(roles)
 
 
 class BoundaryHooks:
@@ -166,6 +210,11 @@ class BoundaryHooks:
             self._handles.append(self._boundaries.register(
                 "quantize", modules, on_grad=lambda trace, i, g: quantize(self._name_of[id(trace.calls[i])], g),
                 when=lambda: self.enabled))
+        self.forward_casts: LinearCasts | None = None
+        if precision.forward_format is not None:
+            self.forward_casts = LinearCasts(model, precision.forward_format, {
+                "activation": precision.activation_scaling, "weight": precision.weight_scaling},
+                precision.history_len, precision.margin)
 
     def _observe(self, trace: Trace, i: int, g: torch.Tensor) -> None:
         self._record(self._name_of[id(trace.calls[i])], g)
@@ -219,6 +268,8 @@ class BoundaryHooks:
             self.enabled = prev
 
     def remove(self) -> None:
+        if self.forward_casts is not None:
+            self.forward_casts.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -267,6 +267,12 @@ class Boundaries:
         self._disabled = 0
         self.trace: Trace | None = None
 
+    @property
+    def off(self) -> bool:
+        """True inside :meth:`disabled`: transforms outside the boundary hooks (the fp8 forward
+        casts of ``experiments/fp8_forward.py``) keep out of the same passes."""
+        return self._disabled > 0
+
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
         """No user sees the forward passes run inside (e.g. an fp32 reference gradient)."""

@@ -7,9 +7,9 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 from __future__ import annotations
 
 from analysis.claims.base import Claim
-from analysis.claims.unit_scaling import CLAIM as unit_scaling_CLAIM
-from analysis.claims.wortsman2023 import CLAIM as wortsman2023_CLAIM
+from analysis.claims.fp8 import CLAIM as FP8
+from analysis.claims.unit_scaling import CLAIM as UNIT_SCALING
+from analysis.claims.wortsman2023 import CLAIM as WORTSMAN2023
 
-CLAIMS: list[Claim] = []
-CLAIMS.append(unit_scaling_CLAIM)
-CLAIMS.append(wortsman2023_CLAIM)
+#: Issue 22's order: mixed precision (2018), AdaLoss, unit scaling, FP8, Wortsman 2023, profiles.
+CLAIMS: list[Claim] = [UNIT_SCALING, FP8, WORTSMAN2023]
