@@ -7,5 +7,7 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 from __future__ import annotations
 
 from analysis.claims.base import Claim
+from analysis.claims.profiles import CLAIM as profiles_CLAIM
 
 CLAIMS: list[Claim] = []
+CLAIMS.append(profiles_CLAIM)
