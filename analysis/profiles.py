@@ -54,7 +54,7 @@ TAU_MAX = 4.0
 
 COLUMNS = ["strategy", "n_workloads", "n_runs", "b", "b_lo", "b_hi", "b_vs_native",
            "b_vs_native_lo", "b_vs_native_hi", "iqm", "iqm_lo", "iqm_hi", "poi", "poi_lo",
-           "poi_hi", "rho_1"]
+           "poi_hi", "rho_1", "b_vs_top", "b_vs_top_lo", "b_vs_top_hi"]
 
 
 def time_to_target(runs: pd.DataFrame, train: pd.DataFrame) -> pd.Series:
@@ -170,7 +170,8 @@ def _poi_vs_first(x: np.ndarray) -> np.ndarray:
 def cross_workload(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int = N_BOOT,
                    seed: int = SEED, level: float = LEVEL) -> tuple[pd.DataFrame, Suite]:
     """One row per profiled strategy (:data:`COLUMNS`): B, B − B_native, IQM and
-    P(improvement vs native), each with its 95 % stratified bootstrap interval; and the
+    P(improvement vs native), each with its 95 % stratified bootstrap interval, ρ(1), and
+    B − B_top against the strategy with the highest B (paired, as B − B_native); and the
     :class:`Suite` behind them."""
     s = suite(runs, time_to_target(runs, train))
     if not s.times:
@@ -183,12 +184,15 @@ def cross_workload(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int = N_B
     boot = _scores([x[rng.integers(0, len(x), size=(n_boot, len(x)))] for x in s.times],
                    s.ref_time)
     q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
+    top = int(np.argmax(point["b"]))  # the highest B (the first of equals)
     n_runs = int(sum(len(x) for x in s.times))
     rows = []
     for j, name in enumerate(s.strategies):
         iv = {k: np.percentile(v[:, j], q) for k, v in boot.items()}
         d = np.percentile(boot["b"][:, j] - boot["b"][:, 0], q)
+        d_top = np.percentile(boot["b"][:, j] - boot["b"][:, top], q)
         rows.append([name, len(s.workloads), n_runs, point["b"][j], *iv["b"],
                      point["b"][j] - point["b"][0], *d, point["iqm"][j], *iv["iqm"],
-                     point["poi"][j], *iv["poi"], float(rho_1[j])])
+                     point["poi"][j], *iv["poi"], float(rho_1[j]),
+                     point["b"][j] - point["b"][top], *d_top])
     return pd.DataFrame(rows, columns=COLUMNS), s

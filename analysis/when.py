@@ -234,7 +234,8 @@ CROSS_CAPTION = (
     "when missed) over all runs; P(faster than `native`) = mean over workloads of P(t < "
     "t_native), ties ½. Intervals: 95% percentile bootstrap resampling seeds within every "
     "workload, the same seeds for every strategy (B − B_native is paired). A winner is named "
-    "only when its B − B_native interval excludes 0.")
+    "only when its B − B_native interval excludes 0 and no other strategy's B is within the "
+    "interval of its paired difference to the winner's.")
 
 
 def cross_workload_table(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int
@@ -243,9 +244,11 @@ def cross_workload_table(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int
     (bool), and the workloads profiled / left out as lines.
 
     The reading follows the per-workload rule (a difference needs an interval that excludes
-    it being 0): B − B_native's paired interval above 0 → :data:`BETTER_ACROSS`, below →
-    :data:`WORSE_ACROSS`, else :data:`TIE_ACROSS`. **Winner**: the highest B among the
-    strategies read better; ``native`` when every other one is read worse; else none.
+    0): B − B_native's paired interval above 0 → :data:`BETTER_ACROSS`, below →
+    :data:`WORSE_ACROSS`, else :data:`TIE_ACROSS`. **Winner**: the strategy with the highest B,
+    when it is ``native`` with every other read worse, or read better than ``native`` itself —
+    and in both cases only when every other strategy's B − B_top interval lies below 0 (no tie
+    with the runner-up either); else none.
     """
     df, s = cross_workload(runs, train, n_boot=n_boot)
     notes = [f"workloads: {', '.join(s.workloads)}"] if s.workloads else []
@@ -256,12 +259,12 @@ def cross_workload_table(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int
                 else WORSE_ACROSS if r.b_vs_native_hi < 0 else TIE_ACROSS)
                for r in df.itertuples(index=False)]
     df = df.assign(reading=reading, winner=False)
-    better = df[df["reading"] == BETTER_ACROSS]
-    others = df[df["strategy"] != BASELINE]
-    if not better.empty:
-        df.loc[better["b"].idxmax(), "winner"] = True
-    elif not others.empty and (others["reading"] == WORSE_ACROSS).all():
-        df.loc[df["strategy"] == BASELINE, "winner"] = True
+    top = df["b"].idxmax()
+    others = df.drop(index=top)
+    beats_native = (df.loc[top, "reading"] == BETTER_ACROSS if df.loc[top, "strategy"] != BASELINE
+                    else (others["reading"] == WORSE_ACROSS).all())
+    if beats_native and (others["b_vs_top_hi"] < 0).all():
+        df.loc[top, "winner"] = True
     return df, notes
 
 
@@ -271,6 +274,11 @@ def cross_verdict(df: pd.DataFrame) -> str:
         return (f"Across workloads: no workload × precision with `{BASELINE}` and a time to "
                 "target (an fp32 reference of the same seeds is needed).")
     win = df[df["winner"]]
+    better = df[df["reading"] == BETTER_ACROSS].sort_values("b", ascending=False)
+    if win.empty and len(better) > 1:
+        names = ", ".join(code(x) for x in better["strategy"])
+        return (f"Across workloads: no single winner — {names} have a higher B than `{BASELINE}`, but the highest is not separated from the "
+                "next beyond the interval of their paired difference.")
     if win.empty:
         return (f"Across workloads: no winner — no strategy's B is separated from `{BASELINE}`'s"
                 " beyond its interval in the direction that would name it.")

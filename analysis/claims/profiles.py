@@ -92,5 +92,5 @@ CLAIM = Claim(
     ),
     evaluate=evaluate,
     sweeps=((), ("precision=fp8_e5m2", "regime=plain"), ("precision=fp32", "strategy=none")),
-    quick=("hydra.sweeper.params.seed=0,1,2", "train.steps=16", "regime.spike_steps=[4,8,12]"),
+    quick=("seed=0,1,2", "train.steps=16", "regime.spike_steps=[4,8,12]"),
 )

@@ -126,6 +126,9 @@ def test_cross_workload_point_estimates_match_rliable():
         assert df.loc[name, "b_lo"] <= df.loc[name, "b"] + 1e-12 or name == "native"
     assert df.loc["native", ["b_vs_native", "b_vs_native_lo", "b_vs_native_hi"]].tolist() == [0, 0, 0]
     assert df.loc["native", "poi"] == 0.5 and (df["n_workloads"] == 2).all()
+    top = df["b"].idxmax()
+    assert top == "max_ema" and df.loc[top, "b_vs_top"] == 0
+    assert df.loc["static", "b_vs_top"] == pytest.approx(algo["static"] - algo["max_ema"], abs=5e-4)
 
 
 def test_bootstrap_resamples_seeds_within_every_workload_paired_and_is_deterministic():
@@ -187,6 +190,11 @@ def test_the_when_tables_cross_workload_winner_needs_an_interval_that_excludes_a
              if k[0] != "m/d/tiny"}
     df = _table(worse)
     assert (df.loc[["a", "b"], "reading"] == WORSE_ACROSS).all() and df.loc["native", "winner"]
+    two = {k: ([INF] * 10 if k == ("m/d/tiny", "fp16", "native") else [20 + j % 3 for j in seeds])
+           for k in one}  # a and b both solve tiny: both ahead of native, not apart
+    df = _table(two)
+    assert (df.loc[["a", "b"], "reading"] == BETTER_ACROSS).all() and not df["winner"].any()
+    assert "no single winner — `a`, `b` have a higher B" in cross_verdict(df.reset_index())
     tie = {k: [20 + k2 % 3 for k2 in seeds] for k in one}
     assert not _table(tie)["winner"].any()
     assert "no winner" in cross_verdict(_table(tie).reset_index())

@@ -62,7 +62,7 @@ def test_the_claim_is_registered_with_its_sweeps():
 @pytest.mark.slow
 def test_the_experiment_runs_end_to_end_and_evaluates(tmp_path):
     """Every sweep of the claim at toy size (2 seeds, 8 steps, 2 rules, 2 fp16 regimes)."""
-    toy = ["hydra.sweeper.params.seed=0,1", "train.steps=8", "regime.spike_steps=[2,4,6]",
+    toy = ["seed=0,1", "train.steps=8", "regime.spike_steps=[2,4,6]",
            "logger=none", f"hydra.sweep.dir={tmp_path}"]
     for extra in CLAIM.sweeps:
         narrow = [] if any(o.startswith("strategy=") for o in extra) else \
