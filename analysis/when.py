@@ -277,8 +277,9 @@ def cross_verdict(df: pd.DataFrame) -> str:
     better = df[df["reading"] == BETTER_ACROSS].sort_values("b", ascending=False)
     if win.empty and len(better) > 1:
         names = ", ".join(code(x) for x in better["strategy"])
-        return (f"Across workloads: no single winner — {names} have a higher B than `{BASELINE}`, but the highest is not separated from the "
-                "next beyond the interval of their paired difference.")
+        return (f"Across workloads: no single winner — {names} have a higher B than "
+                f"`{BASELINE}`, but the highest is not separated from the next beyond the "
+                "interval of their paired difference.")
     if win.empty:
         return (f"Across workloads: no winner — no strategy's B is separated from `{BASELINE}`'s"
                 " beyond its interval in the direction that would name it.")
