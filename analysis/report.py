@@ -11,7 +11,9 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   per metric, and vs the fp32 run of the same seed on final eval loss), ``runs.csv`` (one row
   per run, failed/diverged/incomplete included, with ``steps_to_target``) and
   ``which_strategy_when.csv`` (per regime × precision: the best strategy, its paired effects
-  and why; :mod:`analysis.when`), also the first table of the verdict;
+  and why; :mod:`analysis.when`), also the first table of the verdict, and
+  ``cross_workload.csv`` (per strategy across workloads: AlgoPerf's score B, rliable's IQM and
+  P(improvement vs native), with intervals; :mod:`analysis.profiles`), the second;
 * ``figures/*.png``.
 
 Prints the path of ``report.html``, and each bad record (a file or directory that could not be
@@ -45,7 +47,8 @@ from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
                              summarize)
 from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct, write_csv
 from analysis.verdict import cell_verdict, overall_verdict, phrase
-from analysis.when import order_text, table_rows, which_strategy_when
+from analysis.when import (CROSS_CAPTION, cross_rows, cross_verdict, cross_workload_table,
+                           order_text, table_rows, which_strategy_when)
 
 METRIC_BY_COL = {m.column: m for m in METRICS}
 
@@ -191,11 +194,13 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
                        compare_to_reference(rs.runs, n_boot=n_boot)], ignore_index=True)
     ranks = rank_strategies(summary)
     when = which_strategy_when(rs.runs, comps)
+    cross, cross_notes = cross_workload_table(rs.runs, rs.train, n_boot=n_boot)
     bench_df, bench_note = load_bench(bench)
 
     write_csv(results_table(summary, ranks), out / "results.csv")
     write_csv(comps, out / "comparisons.csv")
     write_csv(when, out / "which_strategy_when.csv")
+    write_csv(cross, out / "cross_workload.csv")
     write_csv(rs.runs, out / "runs.csv")
 
     doc = Document("scalelab comparison report")
@@ -217,6 +222,14 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
             "what the paired readings say. Δ = strategy − baseline per seed, mean [95% CI]; "
             "against fp32 it is the final-eval-loss gap to the fp32 run of the same seed. "
             "Cells without `native` (controls) are compared with fp32 only."))
+    cross_tables = []
+    if not cross.empty:
+        cols, rows = cross_rows(cross)
+        cross_tables.append((cols, rows, CROSS_CAPTION + "".join(f" {code(n, max_chars=300)}."
+                                                                 for n in cross_notes)))
+        doc.table(*cross_tables[-1][:2], caption=cross_tables[-1][2])
+    cross_text = cross_verdict(cross)
+    doc.p(cross_text)
     overall = overall_verdict(summary, ranks, comps)
     cells = (ranks[ranks["precision"] != REFERENCE_PRECISION][["workload", "precision"]]
              .dropna().drop_duplicates().sort_values(["workload", "precision"]))
@@ -224,8 +237,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     doc.p(overall)
     doc.bullets(cell_lines)
     if page is not None:
-        write_page(findings_page(rs.runs, when, overall, command,
-                                 (out / "report.md").as_posix()), page)
+        write_page(findings_page(rs.runs, when, overall, command, (out / "report.md").as_posix(),
+                                 cross_tables, cross_text), page)
 
     doc.h(1, "Ranking and final metrics")
     cols, rows = _ranking_rows(summary, ranks)

@@ -32,9 +32,10 @@ import pandas as pd
 
 from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
                              NOT_COMPARABLE, WORSE_FEW)
+from analysis.profiles import cross_workload
 from analysis.tables import (BASELINE, METRIC_BY_COLUMN, PRIMARY, REFERENCE_PRECISION,
                              identified)
-from analysis.text import code, fmt_ci
+from analysis.text import code, fmt, fmt_ci
 
 #: The metrics the verdict reads, in this order.
 ORDER = ("final_eval_loss", "steps_to_target", "fidelity_lost_frac_mean",
@@ -216,3 +217,92 @@ def _cell_effect(diff: float, lo: float, hi: float, reading: str, who: str) -> s
         return "–"
     value = fmt_ci(diff, lo, hi)
     return f"{who}{value}, {reading}" if value != "–" else f"{who}{reading}"
+
+
+# --- across workloads: AlgoPerf's performance-profile score beside rliable's aggregates --------
+
+BETTER_ACROSS, WORSE_ACROSS, TIE_ACROSS = ("higher B than `native`", "lower B than `native`",
+                                           "tie: the interval of B − B_native includes 0")
+
+CROSS_CAPTION = (
+    "Across workloads (cross_workload.csv; analysis/profiles.py): every workload × precision "
+    f"with `{BASELINE}`, strategies run on all of them. Time to target = steps to the fp32 "
+    "run's half-time loss, ∞ when missed or diverged; per workload the median over seeds; "
+    "ratio r = time / the fastest strategy's; ρ(τ) = share of workloads with r ≤ τ; score "
+    "B = ∫₁⁴ ρ(τ) dτ / 3 (AlgoPerf, Dahl et al. 2023; 1 = fastest everywhere, 0 = never within "
+    "4× of it). IQM (rliable) of the speed relative to fp32 (fp32's median time / the run's, 0 "
+    "when missed) over all runs; P(faster than `native`) = mean over workloads of P(t < "
+    "t_native), ties ½. Intervals: 95% percentile bootstrap resampling seeds within every "
+    "workload, the same seeds for every strategy (B − B_native is paired). A winner is named "
+    "only when its B − B_native interval excludes 0 and no other strategy's B is within the "
+    "interval of its paired difference to the winner's.")
+
+
+def cross_workload_table(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int
+                         ) -> tuple[pd.DataFrame, list[str]]:
+    """:func:`analysis.profiles.cross_workload` with a ``reading`` per strategy and ``winner``
+    (bool), and the workloads profiled / left out as lines.
+
+    The reading follows the per-workload rule (a difference needs an interval that excludes
+    0): B − B_native's paired interval above 0 → :data:`BETTER_ACROSS`, below →
+    :data:`WORSE_ACROSS`, else :data:`TIE_ACROSS`. **Winner**: the strategy with the highest B,
+    when it is ``native`` with every other read worse, or read better than ``native`` itself —
+    and in both cases only when every other strategy's B − B_top interval lies below 0 (no tie
+    with the runner-up either); else none.
+    """
+    df, s = cross_workload(runs, train, n_boot=n_boot)
+    notes = [f"workloads: {', '.join(s.workloads)}"] if s.workloads else []
+    notes += s.left_out
+    if df.empty:
+        return df.assign(reading=[], winner=[]), notes
+    reading = [("" if r.strategy == BASELINE else BETTER_ACROSS if r.b_vs_native_lo > 0
+                else WORSE_ACROSS if r.b_vs_native_hi < 0 else TIE_ACROSS)
+               for r in df.itertuples(index=False)]
+    df = df.assign(reading=reading, winner=False)
+    top = df["b"].idxmax()
+    others = df.drop(index=top)
+    beats_native = (df.loc[top, "reading"] == BETTER_ACROSS if df.loc[top, "strategy"] != BASELINE
+                    else (others["reading"] == WORSE_ACROSS).all())
+    if beats_native and (others["b_vs_top_hi"] < 0).all():
+        df.loc[top, "winner"] = True
+    return df, notes
+
+
+def cross_verdict(df: pd.DataFrame) -> str:
+    """One sentence: the cross-workload winner, or why there is none."""
+    if df.empty:
+        return (f"Across workloads: no workload × precision with `{BASELINE}` and a time to "
+                "target (an fp32 reference of the same seeds is needed).")
+    win = df[df["winner"]]
+    better = df[df["reading"] == BETTER_ACROSS].sort_values("b", ascending=False)
+    if win.empty and len(better) > 1:
+        names = ", ".join(code(x) for x in better["strategy"])
+        return (f"Across workloads: no single winner — {names} have a higher B than "
+                f"`{BASELINE}`, but the highest is not separated from the next beyond the "
+                "interval of their paired difference.")
+    if win.empty:
+        return (f"Across workloads: no winner — no strategy's B is separated from `{BASELINE}`'s"
+                " beyond its interval in the direction that would name it.")
+    r = win.iloc[0]
+    if r.strategy == BASELINE:
+        return (f"Across workloads: `{BASELINE}` wins — every other strategy's B is below its "
+                "beyond the interval.")
+    return (f"Across workloads: {code(r.strategy)} wins, B = {fmt_ci(r.b, r.b_lo, r.b_hi)}, "
+            f"B − B_native = {fmt_ci(r.b_vs_native, r.b_vs_native_lo, r.b_vs_native_hi)}.")
+
+
+def cross_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows of the report's cross-workload table (winner in bold)."""
+    cols = ["strategy", "B [95% CI]", f"B − B_{BASELINE} [95% CI]", "ρ(1)",
+            "IQM speed vs fp32 [95% CI]", f"P(faster than `{BASELINE}`) [95% CI]", "reading"]
+    rows = []
+    for r in df.sort_values(["b", "strategy"], ascending=[False, True]).itertuples(index=False):
+        name = code(r.strategy)
+        rows.append([f"**{name}** (winner)" if r.winner else name, fmt_ci(r.b, r.b_lo, r.b_hi),
+                     "–" if r.strategy == BASELINE else
+                     fmt_ci(r.b_vs_native, r.b_vs_native_lo, r.b_vs_native_hi),
+                     fmt(r.rho_1), fmt_ci(r.iqm, r.iqm_lo, r.iqm_hi),
+                     "–" if r.strategy == BASELINE else fmt_ci(r.poi, r.poi_lo, r.poi_hi,
+                                                               prob_=True),
+                     r.reading or "baseline"])
+    return cols, rows
