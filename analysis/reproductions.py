@@ -240,10 +240,10 @@ def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str,
           "and how its findings are judged.")
     mode = ("the **quick** subset: fewer arms, steps or seeds than the full setting, and a finding "
             "with fewer than 10 paired seeds reads inconclusive" if quick else "the **full** setting")
-    doc.p(f"Made by {code(command)} from the runs under {code(out)}: {mode}. Code at git "
-          + (", ".join(code(s) for s in shas) if shas else "`?` (no run recorded one)")
-          + " (the runs' records). The same command with `--report-only` rebuilds this page "
-          "from the same runs, byte for byte.")
+    commits = (f"The runs were trained at git {', '.join(code(s) for s in shas)}." if shas
+               else "No run records a git commit.")
+    doc.p(f"Made by {code(command)} from the runs under {code(out)}: {mode}. {commits} The same "
+          "command with `--report-only` rebuilds this page from the same runs, byte for byte.")
     doc.p("Verdicts (`analysis/claims/base.py`): **reproduced** — the 95 % interval over paired "
           "seeds lies on the source's side (a difference excludes 0, a parity lies within its "
           "stated margin, a rate clears its threshold); **not reproduced** — it lies on the "

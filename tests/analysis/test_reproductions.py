@@ -85,7 +85,7 @@ def test_provenance_is_the_recorded_command_and_the_runs_git_sha_with_no_date(pa
     text, _ = page
     assert "Made by `scalelab-reproduce`" in text  # no record: the canonical command of the mode
     assert "the **full** setting" in text
-    assert "Code at git `000000000000`" in text
+    assert "The runs were trained at git `000000000000`." in text
     assert "2026" not in text and "UTC" not in text
 
 
