@@ -13,9 +13,10 @@ EXPERIMENT ?= compare
 PAGE       ?= docs/findings.md
 TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
+QUICK      ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full report bench doctor-eval clean
+.PHONY: help setup test test-all compare compare-full report reproduce bench doctor-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,6 +46,9 @@ compare-full: setup ## The larger comparison (every preset, 8 seeds, twice the s
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
+
+reproduce: setup ## Re-test the published loss-scaling claims, write docs/reproductions.md (QUICK=1: the 5-min subset)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(BIN)/scalelab-reproduce $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
 	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md

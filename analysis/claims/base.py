@@ -84,7 +84,8 @@ class ClaimRuns:
 class Claim:
     """One published claim and how scalelab tests it.
 
-    * ``name`` — ``conf/experiment/repro_<name>.yaml`` and ``<out>/<name>`` (runs);
+    * ``name`` — ``<out>/<name>`` (runs) and, unless ``experiment`` says otherwise,
+      ``conf/experiment/repro_<name>.yaml``;
     * ``title``, ``source`` (paper, venue, and repository path where a number comes from code),
       ``claim`` (what the source says, one or two sentences);
     * ``deviations`` — every way the small CPU setting differs from the paper's;
@@ -93,7 +94,9 @@ class Claim:
     * ``quick`` — overrides added to every sweep under ``--quick``;
     * ``factors`` — config paths (``optimizer.lr``, ``strategy.init_scale``, ``model.qk_norm``)
       that tell the arms apart beyond strategy/precision/workload; each becomes a column;
-    * ``evaluate`` — :class:`ClaimRuns` to findings.
+    * ``evaluate`` — :class:`ClaimRuns` to findings;
+    * ``experiment`` — the Hydra experiment the sweeps run (``+experiment=<experiment>``);
+      empty (the default) means ``repro_<name>``.
     """
 
     name: str
@@ -105,6 +108,11 @@ class Claim:
     sweeps: tuple[tuple[str, ...], ...] = ((),)
     quick: tuple[str, ...] = ()
     factors: tuple[str, ...] = ()
+    experiment: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.experiment:
+            object.__setattr__(self, "experiment", f"repro_{self.name}")
 
 
 def _dig(cfg: Any, path: str) -> Any:
