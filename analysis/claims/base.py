@@ -38,7 +38,7 @@ from analysis.runset import RunSet
 from analysis.stats import LEVEL, bootstrap_ci
 
 __all__ = ["Claim", "ClaimRuns", "Finding", "INCONCLUSIVE", "MIN_PAIRS", "NOT_REPRODUCED",
-           "REPRODUCED", "VERDICTS", "direction", "load_claim_runs", "paired_values", "parity",
+           "REPRODUCED", "VERDICTS", "direction", "load_claim_runs", "paired_values", "parity", "select_runs",
            "share"]
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
@@ -143,7 +143,8 @@ def load_claim_runs(sweep_dir: str | Path, factors: Sequence[str] = ()) -> Claim
     return ClaimRuns(runs=runs, runset=runset)
 
 
-def _select(runs: pd.DataFrame, where: Mapping[str, Any]) -> pd.DataFrame:
+def select_runs(runs: pd.DataFrame, where: Mapping[str, Any]) -> pd.DataFrame:
+    """The rows of ``runs`` whose every ``where`` column equals its value."""
     mask = pd.Series(True, index=runs.index)
     for col, value in where.items():
         mask &= runs[col].map(lambda v, value=value: v == value)
@@ -157,7 +158,7 @@ def paired_values(runs: pd.DataFrame, a: Mapping[str, Any], b: Mapping[str, Any]
     aligned on the seeds both have. A diverged or stalled run counts as ``diverged`` (default
     ``+inf``); runs of other non-completed statuses leave their seed out."""
     def per_seed(where: Mapping[str, Any]) -> pd.Series:
-        sel = _select(runs, where)
+        sel = select_runs(runs, where)
         vals = {}
         for _, r in sel.iterrows():
             if r["status"] == "completed" and r[metric] is not None and not pd.isna(r[metric]):

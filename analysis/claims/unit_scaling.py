@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pandas as pd
 
-from analysis.claims.base import Claim, ClaimRuns, Finding, _select, direction, paired_values, parity
+from analysis.claims.base import Claim, ClaimRuns, Finding, select_runs, direction, paired_values, parity
 
 __all__ = ["CLAIM", "MARGIN", "evaluate"]
 
@@ -43,7 +43,7 @@ def _with_underflow(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _share(runs: pd.DataFrame, where: dict) -> str:
     """The mean ``underflow`` of the completed runs matching ``where``, as a percentage."""
-    sel = _select(runs, where)
+    sel = select_runs(runs, where)
     vals = sel.loc[sel["status"] == "completed", "underflow"].dropna()
     return f"{vals.mean():.1%} of entries ({len(vals)} runs)" if len(vals) else "no telemetry"
 

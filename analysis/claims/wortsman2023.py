@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from analysis.claims.base import Claim, ClaimRuns, Finding, INCONCLUSIVE, _select, direction, share
+from analysis.claims.base import Claim, ClaimRuns, Finding, INCONCLUSIVE, select_runs, direction, share
 
 __all__ = ["ARMS", "CLAIM", "L0", "LR", "QK", "evaluate", "lr_sensitivity", "per_seed_metric",
            "sensitivities"]
@@ -86,7 +86,7 @@ def sensitivities(runs: pd.DataFrame, where: Mapping[str, Any], l0: float = L0) 
     """Per seed, :func:`lr_sensitivity` over the learning rates (column :data:`LR`) of the runs
     matching ``where``. A seed enters only with a result at every rate the arm ran (the rates of
     all its seeds together), and only when the arm ran at least two rates."""
-    sel = _select(runs, where)
+    sel = select_runs(runs, where)
     rates = sorted({float(r) for r in sel[LR] if r is not None and not pd.isna(r)})
     if len(rates) < 2:
         return pd.Series(dtype=float)
@@ -104,7 +104,7 @@ def per_seed_metric(runs: pd.DataFrame, where: Mapping[str, Any], metric: str) -
     ``"skip_share"`` = skipped steps / steps run, ``"failed"`` = 1.0 if it diverged or stalled
     else 0.0."""
     out = {}
-    for _, run in _select(runs, where).iterrows():
+    for _, run in select_runs(runs, where).iterrows():
         if run["status"] not in ("completed", *FAILED):
             continue
         if metric == "failed":
@@ -150,7 +150,7 @@ def _top_findings(runs: pd.DataFrame, precision: str, strategy: str, label: str,
             note += "; a diverged run's share is over the steps it ran (it stops within 5 steps of the overflow)"
         out.append(direction(f"{label}, lr={top:g}: {what} without minus with qk-layernorm",
                              PAPER_FP16, a, b, "higher", note))
-    failed = _select(runs, no)
+    failed = select_runs(runs, no)
     failed = failed[failed["status"].isin(FAILED)]
     modules = failed["diagnosis_module"] if "diagnosis_module" in failed else pd.Series(dtype=object)
     hits = int(sum(isinstance(m, str) and m.endswith(SCORES_SUFFIX) for m in modules))
@@ -167,7 +167,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
     frame = runs.runs
     findings: list[Finding] = []
     for (precision, strategy), label in ARMS.items():
-        arm = _select(frame, _arm(precision, strategy))
+        arm = select_runs(frame, _arm(precision, strategy))
         if arm.empty:
             continue
         findings.append(_sensitivity_finding(frame, precision, strategy, label))
