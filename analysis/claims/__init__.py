@@ -6,6 +6,8 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 
 from __future__ import annotations
 
+from analysis.claims.adaloss import CLAIM as adaloss_CLAIM
 from analysis.claims.base import Claim
 
 CLAIMS: list[Claim] = []
+CLAIMS.append(adaloss_CLAIM)
