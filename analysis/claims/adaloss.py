@@ -18,10 +18,12 @@ better; mAP in the paper, higher is better, so "adaptive beats X" is "adaptive's
 
 from __future__ import annotations
 
+import numpy as np
+
 from analysis.claims.base import (Claim, ClaimRuns, Finding, direction, paired_values, parity,
                                   share)
 
-__all__ = ["CLAIM", "PARITY_MARGIN", "evaluate"]
+__all__ = ["CLAIM", "PARITY_MARGIN", "evaluate", "scales_at_one"]
 
 #: Equivalence margin of "adaptive matches fp32", in final eval loss (nats). Fixed before the
 #: sweep was run: about a tenth of the fp32 eval loss this workload reaches (~0.4-0.9).
@@ -64,21 +66,40 @@ def _none_diverges(runs: ClaimRuns) -> list[Finding]:
     return out
 
 
+def scales_at_one(runs: ClaimRuns) -> str:
+    """What AdaLoss chose: the share of its group scales equal to 1 over the second half of
+    training (from the runs' ``group_scales`` table), as a note; "" when there is none."""
+    gs = getattr(runs.runset, "group_scales", None)
+    if gs is None or gs.empty:
+        return ""
+    gs = gs[(gs["strategy"] == ADAPTIVE["strategy"]) & (gs["precision"] == FP16)]
+    late = gs[gs["step"] > gs["step"].max() / 2]
+    if late.empty:
+        return ""
+    return (f"AdaLoss's group scales in the second half of training: {np.mean(late['scale'] == 1.0):.0%} "
+            f"equal to 1 (max {late['scale'].max():g})")
+
+
 def evaluate(runs: ClaimRuns) -> list[Finding]:
-    """Findings: the underflow premise; adaptive vs each fixed scale and vs dynamic (claimed
-    lower final eval loss); no scaling vs fp32 (claimed: diverges); adaptive vs fp32 (parity
-    within :data:`PARITY_MARGIN`)."""
+    """Findings: the underflow premise; adaptive vs each fixed scale, vs dynamic and vs no
+    scaling (claimed lower final eval loss); no scaling vs fp32 (claimed: diverges); adaptive vs
+    fp32 (parity within :data:`PARITY_MARGIN`)."""
     r = runs.runs
+    note = scales_at_one(runs)
     out = [_underflow(runs)]
     for scale, paper in FIXED.items():
         a, b = paired_values(r, ADAPTIVE, _fixed(scale))
         out.append(direction(f"final eval loss, adaptive minus fixed S={scale}",
                              f"mAP adaptive {ADAPTIVE_MAP} vs fixed {scale} {paper} (one run each)",
-                             a, b, "lower"))
+                             a, b, "lower", note=note))
     a, b = paired_values(r, ADAPTIVE, DYNAMIC)
     out.append(direction("final eval loss, adaptive minus dynamic (native, growth_interval 10)",
                          f"mAP adaptive {ADAPTIVE_MAP} vs dynamic (interval 10) 75.04 (one run each)",
-                         a, b, "lower"))
+                         a, b, "lower", note=note))
+    a, b = paired_values(r, ADAPTIVE, NONE16)
+    out.append(direction("final eval loss, adaptive minus no scaling (fp16 S=1)",
+                         f"mAP adaptive {ADAPTIVE_MAP} vs no loss scale: diverged (one run each)",
+                         a, b, "lower", note=note))
     out.extend(_none_diverges(runs))
     a, b = paired_values(r, ADAPTIVE, REF)
     out.append(parity("final eval loss, adaptive minus fp32", f"mAP adaptive {ADAPTIVE_MAP} vs fp32 "

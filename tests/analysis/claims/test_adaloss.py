@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -27,7 +28,7 @@ ARMS = {
     "none": ("none", "fp16", None, None),
     "fp32": ("none", "fp32", None, None),
 }
-MEASURES = ["underflow", "s8", "s128", "s256", "dynamic", "none diverged", "none vs fp32", "parity"]
+MEASURES = ["underflow", "s8", "s128", "s256", "dynamic", "vs none", "none diverged", "none vs fp32", "parity"]
 
 
 def _runs(loss: dict[str, float], seeds: int = SEEDS, sd: float = 0.01, diverged: tuple[str, ...] = (),
@@ -58,7 +59,8 @@ def test_the_paper_s_outcome_reproduces_every_finding() -> None:
     v = _verdicts(_runs({"adaptive": 0.50, "s8": 0.55, "s128": 0.56, "s256": 0.57, "dynamic": 0.8,
                          "none": 9.0, "fp32": 0.51}, diverged=("none",)))
     assert v == {"underflow": REPRODUCED, "s8": REPRODUCED, "s128": REPRODUCED, "s256": REPRODUCED,
-                 "dynamic": REPRODUCED, "none diverged": REPRODUCED, "none vs fp32": INCONCLUSIVE,
+                 "dynamic": REPRODUCED, "vs none": INCONCLUSIVE, "none diverged": REPRODUCED,
+                 "none vs fp32": INCONCLUSIVE,
                  "parity": REPRODUCED}
 
 
@@ -66,14 +68,16 @@ def test_adaptive_worse_than_fixed_and_fp32_is_not_reproduced() -> None:
     v = _verdicts(_runs({"adaptive": 0.70, "s8": 0.55, "s128": 0.56, "s256": 0.57, "dynamic": 0.6,
                          "none": 0.9, "fp32": 0.50}, zero={"none": 0.0}))
     assert v == {"underflow": INCONCLUSIVE, "s8": NOT_REPRODUCED, "s128": NOT_REPRODUCED,
-                 "s256": NOT_REPRODUCED, "dynamic": NOT_REPRODUCED, "none diverged": NOT_REPRODUCED,
+                 "s256": NOT_REPRODUCED, "dynamic": NOT_REPRODUCED, "vs none": REPRODUCED,
+                 "none diverged": NOT_REPRODUCED,
                  "none vs fp32": REPRODUCED, "parity": NOT_REPRODUCED}
 
 
 def test_a_tie_within_seed_noise_is_inconclusive() -> None:
     # a true tie; the noise draw is fixed (a tie reads "inconclusive" in ~95 % of draws)
     v = _verdicts(_runs(dict.fromkeys(ARMS, 0.5), sd=0.2, rng_seed=1))
-    assert [v[m] for m in ("s8", "s128", "s256", "dynamic", "none vs fp32", "parity")] == [INCONCLUSIVE] * 6
+    tied = ("s8", "s128", "s256", "dynamic", "vs none", "none vs fp32", "parity")
+    assert [v[m] for m in tied] == [INCONCLUSIVE] * len(tied)
 
 
 def test_fewer_than_ten_seeds_is_inconclusive_whatever_the_gap() -> None:
@@ -86,6 +90,15 @@ def test_the_fixed_arms_are_told_apart_by_their_scale() -> None:
     findings = adaloss.evaluate(_runs({"adaptive": 0.5, "s8": 0.4, "s128": 0.5, "s256": 0.6,
                                        "dynamic": 0.5, "none": 0.5, "fp32": 0.5}, sd=0.001))
     assert [round(f.estimate, 2) for f in findings[1:4]] == [0.1, 0.0, -0.1]
+
+
+def test_the_note_gives_the_share_of_adaloss_scales_at_one_late_in_training() -> None:
+    gs = pd.DataFrame({"strategy": ["layerwise_adaloss"] * 4 + ["layerwise"], "precision": "fp16",
+                       "step": [10, 100, 200, 200, 200], "scale": [1024.0, 1.0, 1.0, 8.0, 4.0]})
+    runs = ClaimRuns(runs=pd.DataFrame(), runset=SimpleNamespace(group_scales=gs))  # type: ignore[arg-type]
+    assert adaloss.scales_at_one(runs) == ("AdaLoss's group scales in the second half of training: "
+                                           "50% equal to 1 (max 8)")
+    assert adaloss.scales_at_one(ClaimRuns(runs=pd.DataFrame(), runset=None)) == ""  # type: ignore[arg-type]
 
 
 def test_the_experiment_is_the_deep_narrow_mlp_in_fp16_with_no_multiplier_and_ten_seeds() -> None:
