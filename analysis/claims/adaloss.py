@@ -10,7 +10,7 @@ in ``ada_loss/chainer_impl/ada_loss_chainer.py`` (base class and defaults ``n_uf
 table of ``examples/adaptive_loss_scaling/ssd/README.md``: fp32 78.94, adaptive 79.27, fixed
 scale 8 / 128 / 256 78.83 / 78.71 / 78.36, dynamic (interval 10) 75.04, no scaling diverged.
 
-Arms (``conf/experiment/repro_adaloss.yaml``, four sweeps into one directory, 10 paired seeds):
+Arms (``conf/experiment/repro_adaloss.yaml``, four sweeps into one directory, 20 paired seeds):
 fp16 ``layerwise_adaloss``; fp16 ``static`` at S = 8, 128, 256; fp16 ``native`` with
 ``growth_interval`` 10; fp16 ``none`` (S = 1); fp32 ``none``. Metric: final eval loss (lower is
 better; mAP in the paper, higher is better, so "adaptive beats X" is "adaptive's loss is lower").
@@ -123,7 +123,7 @@ CLAIM = Claim(
         "on 16x16 template images (data=images), 200 AdamW steps of batch 32 on the CPU, instead "
         "of SSD512 (VGG16 backbone) on PASCAL VOC with SGD for 120k iterations",
         "metric: final eval loss (cross-entropy on 1024 held-out images), not detection mAP",
-        "10 paired seeds per arm instead of one run each",
+        "20 paired seeds per arm (10 under --quick, 60 steps) instead of one run each",
         "scalelab's AdaLoss is per layer group (one scale per Linear+ReLU block and the head) on "
         "torch autocast fp16; the reference rescales inside each Chainer function",
         "dynamic scaling is torch's GradScaler rule (init 65536, x2 every 10 clean steps, /2 on "
@@ -135,6 +135,7 @@ CLAIM = Claim(
             ("strategy=static", "strategy.init_scale=8,128,256"),
             ("strategy=native", "strategy.growth_interval=10"),
             ("precision=fp32", "strategy=none")),
-    quick=("train.steps=60", "train.fidelity_every=0"),
+    quick=("train.steps=60", "train.fidelity_every=0", "train.checkpoint_every=0",
+           "seed=" + ",".join(str(k) for k in range(10))),
     factors=("strategy.init_scale", "strategy.growth_interval"),
 )

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from analysis.claims import adaloss
 from analysis.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns,
                                   load_claim_runs)
 from experiments.loop import run
+from experiments.train import CONF_DIR
 from tests.experiments.runs import cli, compose_cfg, compose_with_choices, read_rows
 
 SEEDS = 10
@@ -106,6 +108,9 @@ def test_the_experiment_is_the_deep_narrow_mlp_in_fp16_with_no_multiplier_and_te
     assert (cfg.model._target_, cfg.model.depth, cfg.model.width) == ("experiments.models.MLP", 8, 16)
     assert (cfg.data.name, cfg.precision.name, cfg.regime.loss_multiplier) == ("images", "fp16", 1.0)
     assert cfg.sweep == "repro_adaloss"
+    grid = yaml.safe_load((CONF_DIR / "experiment" / "repro_adaloss.yaml").read_text())["hydra"]["sweeper"]["params"]
+    assert grid["seed"] == ",".join(str(k) for k in range(20))
+    assert adaloss.CLAIM.quick[-1] == "seed=" + ",".join(str(k) for k in range(10))
     assert cfg.strategy.growth_interval == 2000  # only the dynamic sweep sets 10
     assert compose_cfg("+experiment=repro_adaloss", "strategy=native",
                        "strategy.growth_interval=10").strategy.growth_interval == 10
@@ -133,7 +138,7 @@ def test_the_four_sweeps_run_end_to_end_and_evaluate(tmp_path: Path) -> None:
     out = tmp_path / "adaloss"
     for sweep in adaloss.CLAIM.sweeps:
         proc = cli("-m", "+experiment=repro_adaloss", f"hydra.sweep.dir={out}", "logger=none",
-                   "hydra.sweeper.params.seed=0,1", "train.steps=8", *sweep, timeout=300)
+                   "seed=0,1", "train.steps=8", *sweep, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     runs = load_claim_runs(out, adaloss.CLAIM.factors)
     assert len(runs.runs) == 2 * len(ARMS) and set(runs.runs["status"]) == {"completed"}
