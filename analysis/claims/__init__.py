@@ -6,6 +6,8 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 
 from __future__ import annotations
 
+from analysis.claims.adaloss import CLAIM as adaloss_CLAIM
+from analysis.claims.adaloss import CLAIM as ADALOSS
 from analysis.claims.base import Claim
 from analysis.claims.fp8 import CLAIM as FP8
 from analysis.claims.profiles import CLAIM as PROFILES
@@ -13,4 +15,4 @@ from analysis.claims.unit_scaling import CLAIM as UNIT_SCALING
 from analysis.claims.wortsman2023 import CLAIM as WORTSMAN2023
 
 #: Issue 22's order: mixed precision (2018), AdaLoss, unit scaling, FP8, Wortsman 2023, profiles.
-CLAIMS: list[Claim] = [UNIT_SCALING, FP8, WORTSMAN2023, PROFILES]
+CLAIMS: list[Claim] = [ADALOSS, UNIT_SCALING, FP8, WORTSMAN2023, PROFILES]
