@@ -6,7 +6,6 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 
 from __future__ import annotations
 
-from analysis.claims.adaloss import CLAIM as adaloss_CLAIM
 from analysis.claims.adaloss import CLAIM as ADALOSS
 from analysis.claims.base import Claim
 from analysis.claims.fp8 import CLAIM as FP8
