@@ -7,5 +7,7 @@ holds what they share (the :class:`~analysis.claims.base.Claim` description, fin
 from __future__ import annotations
 
 from analysis.claims.base import Claim
+from analysis.claims.micikevicius2018 import CLAIM as micikevicius2018_CLAIM
 
 CLAIMS: list[Claim] = []
+CLAIMS.append(micikevicius2018_CLAIM)
