@@ -78,7 +78,7 @@ def test_a_small_model_without_underflow_does_not_reproduce():
     f = _by_measure(evaluate(_runs(hist, _losses(fp32, same, same))))
     assert f["gpt: share of nonzero fp32 activation gradients below 2^-24"].verdict == NOT_REPRODUCED
     s1 = f["gpt: final eval loss, fp16 S=1 minus fp32"]
-    assert s1.verdict == INCONCLUSIVE and "below 2^-24" in s1.note
+    assert s1.verdict == INCONCLUSIVE and "below 2^-24" in s1.note and "inside the parity margin" in s1.note
     assert f["gpt: final eval loss, fp16 S=8 minus fp32"].verdict == REPRODUCED
 
 
