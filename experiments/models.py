@@ -251,8 +251,14 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """``depth`` blocks of ``Conv3x3 -> ReLU -> MaxPool2`` (channels ``width * 2**i``), global
-    average pooling and a linear head. Boundaries: ``convs.i`` and ``head``.
+    """``depth`` blocks of ``Conv3x3 -> ReLU``, every ``pool_every``-th followed by ``MaxPool2``
+    (block ``i`` has ``width * 2**(i // pool_every)`` channels), global average pooling and a
+    linear head. Boundaries: ``convs.i`` and ``head``.
+
+    ``pool_every=1`` (the default) is one pool per block; ``pool_every=k`` gives VGG-style stages
+    of ``k`` convolutions, so a net deeper than ``log2(image_size)`` blocks still fits the image
+    (``depth // pool_every`` pools must not exceed ``log2`` of the image side, else the pooling
+    raises). No normalisation and PyTorch's default init, so backward signals shrink with depth.
     """
 
     accepts = ("images",)
@@ -264,6 +270,7 @@ class CNN(nn.Module):
         width: int = 16,
         depth: int = 2,
         init_scale: float = 1.0,
+        pool_every: int = 1,
     ) -> None:
         super().__init__()
         _check("in_channels", in_channels, 1)
@@ -271,10 +278,12 @@ class CNN(nn.Module):
         _check("width", width, 1)
         _check("depth", depth, 1)
         _check("init_scale", init_scale, 1e-12)
-        chans = [in_channels] + [width * 2**i for i in range(depth)]
+        _check("pool_every", pool_every, 1)
+        chans = [in_channels] + [width * 2 ** (i // pool_every) for i in range(depth)]
         self.convs = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-            for a, b in zip(chans[:-1], chans[1:])
+            nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU(),
+                          *([nn.MaxPool2d(2)] if (i + 1) % pool_every == 0 else []))
+            for i, (a, b) in enumerate(zip(chans[:-1], chans[1:]))
         )
         self.head = nn.Linear(chans[-1], num_classes)
         _scale_init(self, init_scale)
