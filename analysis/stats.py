@@ -145,6 +145,12 @@ def _x_below_y(a: np.ndarray, b: np.ndarray, *, y_first: bool) -> np.ndarray:
     return np.sum(np.where(counted, x_before, 0), axis=1)
 
 
+def prob_improvement_rows(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+    """:func:`prob_improvement` along ``axis`` for every row of a batch (leading axes broadcast),
+    in bounded memory (:func:`_poi`)."""
+    return _poi(x, y, axis=axis)
+
+
 def prob_improvement(x: Array, y: Array) -> float:
     """``P(X < Y) + ½ P(X = Y)`` over all pairs: how often X beats Y when lower is better.
 
