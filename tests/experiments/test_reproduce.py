@@ -5,6 +5,7 @@ end with a cheap re-run."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -132,10 +133,12 @@ def test_the_console_script_and_the_make_target_start_the_runner() -> None:
     if shutil.which("make") is None:
         pytest.skip("no make")
 
-    def dry(*extra: str) -> str:
-        proc = subprocess.run(["make", "-n", "reproduce", *extra], cwd=REPO, capture_output=True,
-                              text=True, check=True)
-        return proc.stdout.strip().splitlines()[-1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+    def dry(*extra: str) -> str:  # under `make test` the outer make's flags would print directories
+        proc = subprocess.run(["make", "--no-print-directory", "-n", "reproduce", *extra], cwd=REPO,
+                              capture_output=True, text=True, check=True, env=env)
+        return [line.strip() for line in proc.stdout.splitlines() if "scalelab-reproduce" in line][-1]
 
     assert dry().endswith("OMP_NUM_THREADS=1 .venv/bin/scalelab-reproduce")
     assert dry("QUICK=1").endswith("OMP_NUM_THREADS=1 .venv/bin/scalelab-reproduce --quick")
