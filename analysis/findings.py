@@ -5,15 +5,14 @@ full report, a short page a reader of the repository sees first: which sweep and
 from, the run counts by status, the "which strategy when" table, and the overall verdict — the same objects the report is built from
 (:func:`analysis.report.build_report`), so no number on it is ever typed by hand. It carries no
 timestamp: a page rebuilt from the same runs is byte-identical, and a diff of it shows only what the
-runs changed. Written atomically (a temporary file renamed over the old page).
+runs changed. The report writes it atomically (:func:`analysis.text.write_atomic`).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
+
 import pandas as pd
 
 from analysis.document import Document
@@ -21,7 +20,7 @@ from analysis.runset import STATUSES
 from analysis.text import code
 from analysis.when import order_text, table_rows
 
-__all__ = ["findings_page", "write_page"]
+__all__ = ["findings_page"]
 
 
 def _counts(runs: pd.DataFrame) -> str:
@@ -62,18 +61,3 @@ def findings_page(runs: pd.DataFrame, when: pd.DataFrame, overall: str, command:
     doc.h(1, "Verdict")
     doc.p(overall)
     return doc.to_markdown(Path("."))
-
-
-def write_page(text: str, path: str | os.PathLike[str]) -> Path:
-    """Write ``text`` to ``path`` atomically (its folder is created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -38,14 +38,14 @@ import pandas as pd
 from analysis import figures as F
 from analysis.bench import load_bench
 from analysis.document import Document
-from analysis.findings import findings_page, write_page
+from analysis.findings import findings_page
 from analysis.load import RunLoadError, RunSet, load_runs
 from analysis.runset import STATUSES
 from analysis.stats import N_BOOT, SEED
 from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
                              compare_to_baseline, compare_to_reference, rank_strategies,
                              summarize)
-from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct, write_csv
+from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct, write_atomic, write_csv
 from analysis.verdict import cell_verdict, overall_verdict, phrase
 from analysis.when import (CROSS_CAPTION, cross_rows, cross_verdict, cross_workload_table,
                            order_text, table_rows, which_strategy_when)
@@ -237,8 +237,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     doc.p(overall)
     doc.bullets(cell_lines)
     if page is not None:
-        write_page(findings_page(rs.runs, when, overall, command, (out / "report.md").as_posix(),
-                                 cross_tables, cross_text), page)
+        write_atomic(page, findings_page(rs.runs, when, overall, command, (out / "report.md").as_posix(),
+                                         cross_tables, cross_text))
 
     doc.h(1, "Ranking and final metrics")
     cols, rows = _ranking_rows(summary, ranks)

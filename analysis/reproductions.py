@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,11 +27,11 @@ from typing import Any, Sequence
 from analysis.claims.base import Claim, ClaimRuns, Finding, load_claim_runs
 from analysis.document import Document
 from analysis.load import RunLoadError
-from analysis.text import code, fmt
+from analysis.text import code, fmt, write_atomic
 
 __all__ = ["ClaimResult", "NOT_RUN", "EVAL_ERROR", "RECORD_NAME", "build_page", "evaluate_claim",
            "fmt_estimate", "larger_command", "read_record", "record_start", "record_sweep",
-           "train_args", "write_atomic", "write_page"]
+           "train_args", "write_page"]
 
 RECORD_NAME = "reproduce.json"
 #: Verdict-column words of a claim that has no findings (besides the three verdicts).
@@ -44,21 +42,6 @@ _MAX_WHY = 200
 
 
 # -- the runner's record ------------------------------------------------------------------------
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``
-    (a reader sees the old file or the new one, never half of one)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def read_record(out: str | Path) -> dict[str, Any]:
     """``<out>/reproduce.json``; ``{}`` when missing or unreadable (the page then says less)."""
     try:

@@ -11,7 +11,9 @@ mathtext off instead (:func:`analysis.figures.figure_rc`); CSV files are written
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +117,18 @@ def write_csv(df: pd.DataFrame, path: str | Path) -> None:
             out[col] = out[col].map(inert_cell)
     out.columns = [inert_cell(c) for c in out.columns]
     out.to_csv(path, index=False, lineterminator="\r\n")
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``
+    (a reader sees the old file or the new one, never half of one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

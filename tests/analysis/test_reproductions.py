@@ -10,6 +10,7 @@ import pytest
 
 from analysis import reproductions as rp
 from analysis.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Finding
+from analysis.text import write_atomic
 from tests.analysis.fake_claims import FAKE_CLAIMS, SEEDS, write_fake_runs
 
 
@@ -134,7 +135,7 @@ def test_the_page_is_written_atomically(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
-        rp.write_atomic(doc, "new page\n")
+        write_atomic(doc, "new page\n")  # the writer of this page and of docs/findings.md
     assert doc.read_text() == "old page\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.md"]  # no temporary file left
 
