@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity
+from analysis.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity, select_runs
 
 __all__ = ["CLAIM", "MARGIN", "ROLE_COLUMNS", "evaluate"]
 
@@ -46,10 +46,8 @@ CURRENT = _fp8("current", "current", "current")
 
 def _skips(runs: pd.DataFrame, where: dict) -> str:
     """Mean skipped steps (the loss scaler's overflows) of the completed runs matching ``where``."""
-    mask = runs["status"] == "completed"
-    for col, value in where.items():
-        mask &= runs[col].map(lambda v, value=value: v == value).astype(bool)
-    vals = pd.to_numeric(runs.loc[mask, "skipped_steps"], errors="coerce").dropna() if "skipped_steps" in runs else []
+    arm = select_runs(runs, {"status": "completed", **where})
+    vals = pd.to_numeric(arm["skipped_steps"], errors="coerce").dropna() if "skipped_steps" in arm else []
     return f"{vals.mean():.1f} skipped steps per run" if len(vals) else "skipped steps not recorded"
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.claims.base import (INCONCLUSIVE, MIN_PAIRS, NOT_REPRODUCED, REPRODUCED, Claim, ClaimRuns,
-                                  Finding, direction, paired_values, parity)
+                                  Finding, direction, paired_values, parity, select_runs)
 from analysis.stats import bootstrap_ci
 
 __all__ = ["BANDS", "CLAIM", "band", "band_shares", "evaluate", "parity_margin"]
@@ -178,13 +178,13 @@ def _workload(runs: ClaimRuns, model: str) -> list[Finding]:
 
 
 def _zero_frac(runs: ClaimRuns, sel: pd.DataFrame, where: dict) -> float:
-    ids = sel[[all(r[k] == v for k, v in where.items()) for _, r in sel.iterrows()]]["run_id"]
+    ids = select_runs(sel, where)["run_id"]
     shares = band_shares(runs.runset.exp_hist, list(ids))
     return float(shares["zero_frac"].mean()) if "zero_frac" in shares else math.nan
 
 
 def _skips(sel: pd.DataFrame, where: dict) -> str:
-    arm = sel[[all(r[k] == v for k, v in where.items()) for _, r in sel.iterrows()]]
+    arm = select_runs(sel, where)
     if arm.empty or "skipped_steps" not in arm:
         return ""
     skipped = pd.to_numeric(arm["skipped_steps"], errors="coerce")
