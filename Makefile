@@ -54,7 +54,7 @@ bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, 
 	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
-	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor_eval
+	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
 
 clean: ## Remove runs, reports and caches (keeps .venv)
 	rm -rf runs reports outputs multirun .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""Read the JSON written by ``scalelab-bench`` (``experiments/bench.py``) for the report.
+"""Read the JSON written by ``scalelab-bench`` (``experiments/bench/cli.py``) for the report.
 
 The file is ``{"meta": {...}, "overhead": [row, ...], "stats_pass": [...]}`` where each overhead
 row is one configuration at one size, measured side by side in one process::

@@ -10,7 +10,7 @@ A run directory holds::
     metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train"), EVAL_FIELDS (kind "eval")
                      or FIDELITY_FIELDS (kind "fidelity", every train.fidelity_every steps)
     diagnosis.json   DIAGNOSIS_FIELDS: the doctor's verdict on the failing step of a stalled, diverged
-                     or scale-floor run (strategies.doctor; written by experiments.diagnosis)
+                     or scale-floor run (strategies.doctor; written by experiments.doctor.diagnosis)
     checkpoint.pt    model, optimizer, strategy, RNG, step, config (torch.load(weights_only=True))
     run.lock         held (flock) by the one process writing this directory, for the run's lifetime
     replaced-<n>/    the records of an earlier run moved aside by a start at step 0, renamed

@@ -4,7 +4,7 @@
 >>> scaler = strategies.create("native")        # exactly torch's GradScaler rule
 >>> strategies.available()                       # every registered strategy
 
-Every module of this package is imported here, so a strategy added as one new file that uses
+Every module of ``strategies/rules/`` is imported here, so a strategy added as one new file that uses
 ``@register_strategy`` is discovered with no other edit. Other installed packages can add
 strategies through the ``scalelab.strategies`` entry-point group.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from strategies import rules
 from strategies.base import Strategy
 from strategies.registry import (
     UnknownStrategyError,
@@ -38,9 +39,9 @@ __all__ = [
 
 
 def _discover() -> None:
-    for info in pkgutil.iter_modules(__path__):
+    for info in pkgutil.iter_modules(rules.__path__):
         if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
+            importlib.import_module(f"{rules.__name__}.{info.name}")
     load_plugins()
 
 

@@ -1,7 +1,7 @@
 """Binding a rule's update op by name: the twin's signature is the argument list, written once.
 
 A rule's update op ``torch.ops.scalelab.<op>`` and its Python twin take the same positional
-arguments (``cuda/ops.cpp`` declares the schema, ``strategies/<rule>.py`` the twin). Instead of
+arguments (``cuda/ops.cpp`` declares the schema, ``strategies/rules/<rule>.py`` the twin). Instead of
 writing that list again at every call, :meth:`strategies.base.Strategy.run_update` binds each
 parameter of the twin's signature, in its order, from one of three sources:
 

@@ -270,7 +270,7 @@ class Boundaries:
     @property
     def off(self) -> bool:
         """True inside :meth:`disabled`: transforms outside the boundary hooks (the fp8 forward
-        casts of ``experiments/fp8_forward.py``) keep out of the same passes."""
+        casts of ``experiments/workloads/fp8_forward.py``) keep out of the same passes."""
         return self._disabled > 0
 
     @contextlib.contextmanager

@@ -16,7 +16,7 @@ oracle):
 * :func:`ratio_probe_` — the device-side decision from the two sums (no host sync): the ratio
   ``r = ||g_fp32|| / ||g_mp / S||``, its log2 clamped to [-16, 16] and fed to a geometric EMA,
   and the factor ``a`` (``growth_factor`` above ``threshold_high``, ``backoff_factor`` below
-  ``threshold_low``, else 1). See ``strategies/norm_ratio.py`` for the full rule and its sources.
+  ``threshold_low``, else 1). See ``strategies/rules/norm_ratio.py`` for the full rule and its sources.
 """
 
 from __future__ import annotations

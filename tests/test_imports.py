@@ -125,7 +125,7 @@ _DRIVER = textwrap.dedent("""
 @pytest.mark.skipif(sys.platform == "win32", reason="needs os.fork")
 def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     names = modules()
-    assert "strategies.base" in names and "experiments.train" in names and "analysis.report" in names
+    assert "strategies.base" in names and "experiments.app.train" in names and "analysis.report" in names
     proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(names)], cwd=ROOT, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "SCALELAB_KERNELS": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Made-up claims over the synthetic sweeps of ``tests/analysis/synth.py``, for the tests of the
-reproduction runner and page (``experiments/reproduce.py``, ``analysis/reproductions.py``).
+reproduction runner and page (``analysis/reproduce/cli.py``, ``analysis/reproduce/page.py``).
 
 ``GOOD`` compares synthetic strategies whose true final eval losses are known (max_ema 0.50 <
 native 0.70, sd 0.01), so its direction finding is *reproduced* and its parity one (max_ema vs
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity
+from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity
 from tests.analysis.synth import SweepSpec, write_sweep
 
 SEEDS = 12

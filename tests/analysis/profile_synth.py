@@ -9,7 +9,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from analysis.claims.base import ClaimRuns
+from analysis.reproduce.claims.base import ClaimRuns
 from analysis.runset import RunSet
 from analysis.targets import steps_to_target
 

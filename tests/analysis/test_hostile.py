@@ -426,7 +426,7 @@ def test_a_real_sweep_whose_jobs_fail_at_construction(tmp_path, capsys):
     60 s on a shared 2-core box; the fast version of this case is the synthetic tree above)."""
     sweep = tmp_path / "sweep"
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled")
-    subprocess.run([sys.executable, "-m", "experiments.train", "-m", "+experiment=compare_tiny",
+    subprocess.run([sys.executable, "-m", "experiments.app.train", "-m", "+experiment=compare_tiny",
                     "strategy=native", "seed=0", "regime=plain", "strategy.growth_factor=2.0,0.5",
                     "hydra/launcher=basic", "hydra.sweep.subdir=${hydra.job.num}",
                     f"hydra.sweep.dir={sweep}", "logger=none"],

@@ -126,7 +126,7 @@ def test_wandb_offline_is_a_clear_error(monkeypatch):
 
 
 def _as_wandb_rows(lines: list[dict]) -> list[dict]:
-    """What the app's W&B logger (experiments/records.py) stores: keys under train/ or eval/,
+    """What the app's W&B logger (experiments/app/records.py) stores: keys under train/ or eval/,
     dicts flattened with '/', the histogram as a wandb.Histogram, lines of one step merged."""
     rows: dict[int, dict] = {}
     for line in lines:

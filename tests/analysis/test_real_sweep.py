@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _train(sweep: Path, *args: str, timeout: float = 300) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", *args,
+    proc = subprocess.run([sys.executable, "-m", "experiments.app.train", "-m", *args,
                            f"hydra.sweep.dir={sweep}", "logger=none"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The reproduction page (analysis/reproductions.py) from made-up claims over synthetic runs."""
+"""The reproduction page (analysis/reproduce/page.py) from made-up claims over synthetic runs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis import reproductions as rp
-from analysis.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Finding
+from analysis.reproduce import page as rp
+from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Finding
 from analysis.text import write_atomic
 from tests.analysis.fake_claims import FAKE_CLAIMS, SEEDS, write_fake_runs
 

@@ -8,18 +8,18 @@ from typing import Any, Callable
 
 import torch
 
-from strategies.adaloss import adaloss_step_
-from strategies.amax_history import amax_history_update_
+from strategies.rules.adaloss import adaloss_step_
+from strategies.rules.amax_history import amax_history_update_
 from strategies.formats import FP16_MIN_NORMAL
-from strategies.hybrid import hybrid_update_
-from strategies.layerwise import layerwise_update_
-from strategies.learned import learned_update_
-from strategies.max_ema import max_ema_update_
-from strategies.native import native_update_
+from strategies.rules.hybrid import hybrid_update_
+from strategies.rules.layerwise import layerwise_update_
+from strategies.rules.learned import learned_update_
+from strategies.rules.max_ema import max_ema_update_
+from strategies.rules.native import native_update_
 from strategies.state import record_step_
-from strategies.norm_ratio import norm_ratio_update_
-from strategies.tolerance import tolerance_update_
-from strategies.underflow_target import E_BINS, underflow_target_update_
+from strategies.rules.norm_ratio import norm_ratio_update_
+from strategies.rules.tolerance import tolerance_update_
+from strategies.rules.underflow_target import E_BINS, underflow_target_update_
 from tests.cuda.gradients import make_grads
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64

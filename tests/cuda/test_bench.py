@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 import strategies
-from experiments import bench, bench_common
+from experiments.bench import cli as bench, common as bench_common
 
 
 def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from strategies import kernels
-from strategies.layerwise import layerwise_update_
-from strategies.max_ema import max_ema_update_
+from strategies.rules.layerwise import layerwise_update_
+from strategies.rules.max_ema import max_ema_update_
 from strategies.stats import GradStats, unscale_and_check, unscale_and_stats, unscale_and_stats_reference
 from tests.cuda.gpu import CHUNK, CHUNKS_PER_LAUNCH, check_stats, no_sync, to_cuda
 from tests.cuda.gradients import assert_bits_equal, is_dense, make_grad, make_grads

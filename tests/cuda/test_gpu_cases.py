@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import strategies
 from strategies import kernels, stats
-from strategies.norm_ratio import norm_ratio_update_
+from strategies.rules.norm_ratio import norm_ratio_update_
 from strategies.formats import FP16_MIN_NORMAL
 from strategies.stats import unscale_and_stats
 from tests.cuda.gradients import assert_bits_equal, make_grads

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.underflow_target import exponent_histogram
+from strategies.rules.underflow_target import exponent_histogram
 from tests.cuda.gpu import no_sync
 from tests.cuda.trajectories import TRAJECTORIES, assert_states_equal, with_loader
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.adaloss import adaloss_step_
-from strategies.layerwise import layerwise_update_
+from strategies.rules.adaloss import adaloss_step_
+from strategies.rules.layerwise import layerwise_update_
 from tests.cuda.gpu import no_sync
 from tests.cuda.trajectories import adaloss_trajectory, assert_states_equal, load_stats
 

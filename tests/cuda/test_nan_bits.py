@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from strategies import kernels
-from strategies.hybrid import hybrid_update_
-from strategies.max_ema import max_ema_update_
-from strategies.norm_ratio import norm_ratio_update_
+from strategies.rules.hybrid import hybrid_update_
+from strategies.rules.max_ema import max_ema_update_
+from strategies.rules.norm_ratio import norm_ratio_update_
 from tests.cuda.trajectories import assert_states_equal
 
 I32, I64 = dict(dtype=torch.int32), dict(dtype=torch.int64)

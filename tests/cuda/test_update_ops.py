@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from strategies.max_ema import max_ema_update_
-from strategies.native import native_update_
-from strategies.norm_ratio import norm_ratio_update_
+from strategies.rules.max_ema import max_ema_update_
+from strategies.rules.native import native_update_
+from strategies.rules.norm_ratio import norm_ratio_update_
 from tests.cuda.trajectories import NORM_RATIO_CASES, STEPS, assert_states_equal, bits_equal, random_absmax
 
 # H == 1: torch's own kernel is the reference; H > 1: the Python twin, which like torch and the op
@@ -156,7 +156,7 @@ LAYERWISE_CASES = [
 @pytest.mark.parametrize("case", LAYERWISE_CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("cap", [False, True], ids=["seed_rule", "cap_ema"])
 def test_layerwise_update_matches_reference(ops, case, cap):
-    from strategies.layerwise import layerwise_update_
+    from strategies.rules.layerwise import layerwise_update_
 
     rule, growth, backoff, interval, grow0, lo, hi, G = case
     gen = torch.Generator().manual_seed(G + interval)

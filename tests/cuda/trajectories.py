@@ -9,13 +9,13 @@ import math
 
 import torch
 
-from strategies.adaloss import adaloss_step_, quantile
-from strategies.amax_history import amax_history_update_
+from strategies.rules.adaloss import adaloss_step_, quantile
+from strategies.rules.amax_history import amax_history_update_
 from strategies.formats import FP16_MIN_NORMAL
-from strategies.hybrid import hybrid_update_
-from strategies.learned import learned_update_
-from strategies.tolerance import tolerance_update_
-from strategies.underflow_target import E_BINS, E_LO, underflow_target_update_
+from strategies.rules.hybrid import hybrid_update_
+from strategies.rules.learned import learned_update_
+from strategies.rules.tolerance import tolerance_update_
+from strategies.rules.underflow_target import E_BINS, E_LO, underflow_target_update_
 
 STEPS = 400
 

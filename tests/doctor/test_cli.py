@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments import schema
-from experiments.doctor_cli import main
+from experiments.doctor.cli import main
 from tests.experiments.runs import REPO, run_tiny
 
 SHORT = ("train.steps=4", "train.checkpoint_every=2", "train.log_every=2", "train.eval_every=0")
@@ -66,7 +66,7 @@ def test_precision_the_doctor_does_not_cover(tmp_path: Path, capsys: pytest.Capt
 
 def test_console_module_runs(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "experiments.doctor_cli", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "experiments.doctor.cli", str(tmp_path / "nope")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("scalelab-doctor: error: run directory")
 

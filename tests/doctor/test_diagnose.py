@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from experiments.models import GPT, MLP
+from experiments.workloads.models import GPT, MLP
 from strategies.doctor import CAUSES, EXIT_CODES, diagnose
 
 

@@ -1,4 +1,4 @@
-"""``experiments.diagnosis.diagnose_run``: the loop's one call when a run fails."""
+"""``experiments.doctor.diagnosis.diagnose_run``: the loop's one call when a run fails."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import strategies
 from experiments import schema
-from experiments.diagnosis import DIAGNOSIS_NAME, annotate, diagnose_run, should_diagnose
-from experiments.models import MLP
+from experiments.doctor.diagnosis import DIAGNOSIS_NAME, annotate, diagnose_run, should_diagnose
+from experiments.workloads.models import MLP
 from strategies.doctor import CAUSES
 from tests.experiments.runs import run_tiny
 from tests.experiments.runs import DOC, documented

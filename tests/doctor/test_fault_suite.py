@@ -1,4 +1,4 @@
-"""The labelled fault suite (``experiments/doctor_cases.py``, scored by ``experiments/doctor_eval.py``): every case gets the right cause and,
+"""The labelled fault suite (``experiments/doctor/cases.py``, scored by ``experiments/doctor/evaluate.py``): every case gets the right cause and,
 where construction defines one, the right first module; the HF-style forward-hook baseline and the
 minimum-scale line are computed for real."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments import doctor_cases, doctor_eval
+from experiments.doctor import cases as doctor_cases, evaluate as doctor_eval
 from strategies.doctor import CAUSES
 
 CASES = doctor_cases.cases()

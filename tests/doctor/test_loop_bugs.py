@@ -1,5 +1,5 @@
 """Issue 21's "gradients not cleared" workload as an app option: ``train.zero_grad=false`` makes
-the optimizer's ``zero_grad()`` a no-op (``experiments.build.keep_gradients``), a loop bug on
+the optimizer's ``zero_grad()`` a no-op (``experiments.app.build.keep_gradients``), a loop bug on
 purpose; in a real fp16 run the first overflow stays in ``.grad``, the scale collapses, and the
 doctor names ``grads_not_cleared``."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from experiments.build import ConfigError, build_optimizer, validate
+from experiments.app.build import ConfigError, build_optimizer, validate
 from experiments.schema import DIAGNOSIS_NAME
 from tests.experiments.runs import compose_cfg, run_tiny
 

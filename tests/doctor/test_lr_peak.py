@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.doctor_cases import _ce, _gpt
+from experiments.doctor.cases import _ce, _gpt
 from experiments.schema import DIAGNOSIS_NAME
 from strategies.doctor import diagnose
 from tests.experiments.runs import run_tiny

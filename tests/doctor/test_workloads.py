@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.data import TeacherVectors, TemplateImages
-from experiments.models import GPT
+from experiments.workloads.data import TeacherVectors, TemplateImages
+from experiments.workloads.models import GPT
 
 
 def test_explicit_attention_is_sdpa_restated() -> None:

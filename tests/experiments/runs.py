@@ -12,8 +12,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-from experiments.loop import run
-from experiments.train import CONF_DIR
+from experiments.app.loop import run
+from experiments.app.train import CONF_DIR
 
 DOC = CONF_DIR.parent / "docs" / "run-records.md"
 """The run-record format page, whose tables list the schema's fields."""
@@ -78,10 +78,10 @@ def run_tiny(run_dir: Path, *overrides: str, model: str = "mlp") -> tuple[dict, 
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m experiments.train ARGS`` in a subprocess (W&B disabled, repo importable)."""
+    """``python -m experiments.app.train ARGS`` in a subprocess (W&B disabled, repo importable)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", HYDRA_FULL_ERROR="")
     env.pop("HYDRA_FULL_ERROR")
     return subprocess.run(
-        [sys.executable, "-m", "experiments.train", *args],
+        [sys.executable, "-m", "experiments.app.train", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )

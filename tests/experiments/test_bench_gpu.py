@@ -1,4 +1,4 @@
-"""``scalelab-bench --device cuda`` (experiments/bench_gpu.py): its options, bandwidth arithmetic
+"""``scalelab-bench --device cuda`` (experiments/bench/gpu.py): its options, bandwidth arithmetic
 and generated page on any machine; one end-to-end smoke run on a GPU (marked ``gpu``). No timing
 assertions: the tests check structure and arithmetic, never how fast anything ran."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import bench, bench_gpu
+from experiments.bench import cli as bench, gpu as bench_gpu
 
 
 def options(*argv: str) -> bench_gpu.GpuOptions:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from experiments import bench
+from experiments.bench import cli as bench
 
 
 def test_cpu_bench_writes_the_tables_it_printed_to_its_page(tmp_path, capsys):

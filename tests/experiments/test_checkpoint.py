@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import checkpoint as ckpt
-from experiments import records
+from experiments.app import checkpoint as ckpt
+from experiments.app import records
 
 
 def _draws() -> tuple:

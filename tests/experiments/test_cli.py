@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.train import group_options
+from experiments.app.train import group_options
 from tests.experiments.runs import QUIET, TINY, cli, read_rows, run_tiny
 
 # fp16 with a native scaler that grows every 3 clean steps and a spike at step 8: the scale

@@ -21,7 +21,7 @@ from hydra._internal.utils import create_config_search_path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.train import CONF_DIR, group_options
+from experiments.app.train import CONF_DIR, group_options
 
 REGIMES = ["plain", "tiny_grad", "spikes"]
 FP8 = ["precision=fp8_e5m2", "regime=plain"]

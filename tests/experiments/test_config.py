@@ -10,7 +10,7 @@ import yaml
 import torch
 
 import strategies
-from experiments.build import (
+from experiments.app.build import (
     ConfigError,
     build_data,
     build_model,
@@ -22,9 +22,9 @@ from experiments.build import (
     strategy_label,
     validate,
 )
-from experiments.loggers import RunInfo
-from experiments.precision import Precision
-from experiments.train import CONF_DIR, GROUPS, group_options
+from experiments.app.loggers import RunInfo
+from experiments.workloads.precision import Precision
+from experiments.app.train import CONF_DIR, GROUPS, group_options
 from tests.experiments.runs import QUIET, TINY, compose_cfg
 
 # Which tiny model goes with each data option, and which data with each model option.
@@ -162,8 +162,8 @@ def test_shape_arguments_come_from_the_data() -> None:
         ("torch.optim.Optimizer", "is not allowed (resolves to torch.optim.optimizer.Optimizer)"),
         ("torch.nn.Linear", "is not allowed (resolves to torch.nn.modules.linear.Linear)"),
         # Issue 13 case 5: project-prefixed aliases of functions that load pickles or write files.
-        ("experiments.checkpoint.torch.load", "is not allowed (resolves to torch.serialization.load)"),
-        ("experiments.records.write_json_atomic", "is not allowed (resolves to experiments.records.write_json_atomic)"),
+        ("experiments.app.checkpoint.torch.load", "is not allowed (resolves to torch.serialization.load)"),
+        ("experiments.app.records.write_json_atomic", "is not allowed (resolves to experiments.app.records.write_json_atomic)"),
         ("strategies.registry.__builtins__", "is not allowed"),
         ("antigravity.fly", "is not allowed (names nothing the app loads)"),  # and it is never imported
     ],
@@ -171,7 +171,7 @@ def test_shape_arguments_come_from_the_data() -> None:
 def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
     import sys
 
-    import experiments.checkpoint  # noqa: F401 - loaded in the app, so its alias resolves
+    import experiments.app.checkpoint  # noqa: F401 - loaded in the app, so its alias resolves
 
     cfg = compose_cfg(*TINY["mlp"], f"optimizer._target_={target}")
     with pytest.raises(ConfigError, match=f"optimizer._target_='{target}'") as err:
@@ -182,19 +182,19 @@ def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
 
 @pytest.mark.parametrize("group", ["strategy", "model", "data", "optimizer"])
 def test_every_group_refuses_a_file_writing_target(group: str, tmp_path: Path) -> None:
-    """``strategy._target_=experiments.records.write_json_atomic`` and the like fail in validate(),
+    """``strategy._target_=experiments.app.records.write_json_atomic`` and the like fail in validate(),
     before anything is built or written."""
     victim = tmp_path / "victim.json"
-    cfg = compose_cfg(*TINY["mlp"], f"{group}._target_=experiments.records.write_json_atomic",
+    cfg = compose_cfg(*TINY["mlp"], f"{group}._target_=experiments.app.records.write_json_atomic",
                       f"+{group}.path={victim}", f"+{group}.obj=pwned")
-    with pytest.raises(ConfigError, match=f"^{group}._target_='experiments.records.write_json_atomic' is not allowed"):
+    with pytest.raises(ConfigError, match=f"^{group}._target_='experiments.app.records.write_json_atomic' is not allowed"):
         validate(cfg)
     assert not victim.exists()
 
 
 def test_nested_targets_are_checked_too() -> None:
     with pytest.raises(ConfigError, match=r"^data.inner\[0\]._target_='subprocess.run' is not allowed"):
-        check_targets({"_target_": "experiments.data.CharData", "inner": [{"_target_": "subprocess.run"}]}, "data")
+        check_targets({"_target_": "experiments.workloads.data.CharData", "inner": [{"_target_": "subprocess.run"}]}, "data")
     check_targets({"_target_": "torch.optim.SGD", "x": {"_target_": "strategies.create"}}, "ok")
 
 

@@ -1,5 +1,5 @@
 """Issue 20 §2: no override makes Hydra run code, load code or steer programs — the ``hydra``
-node included (``experiments/config_safety.py``, checked by ``experiments.train.check_safety``
+node included (``experiments/app/config_safety.py``, checked by ``experiments.app.train.check_safety``
 before Hydra builds anything)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import records
-from experiments.train import check_safety
+from experiments.app import records
+from experiments.app.train import check_safety
 from tests.experiments.runs import QUIET, TINY, cli
 
 MARKER_MODULE = "tests.experiments.marker_target"
@@ -26,11 +26,11 @@ ATTACKS = [
     ([f"+hydra.callbacks.x._target_={MARK}"], f"hydra.callbacks.x._target_='{MARK}' is not allowed (names nothing"),
     (["+hydra.callbacks.x._target_=os.system", "+hydra.callbacks.x.command=touch /tmp/x"],
      "hydra.callbacks.x._target_='os.system' is not allowed (resolves to posix.system)"),
-    (["hydra.callbacks.progress._target_=experiments.records.write_json_atomic"],
-     "hydra.callbacks.progress._target_='experiments.records.write_json_atomic' is not allowed (resolves to"),
+    (["hydra.callbacks.progress._target_=experiments.app.records.write_json_atomic"],
+     "hydra.callbacks.progress._target_='experiments.app.records.write_json_atomic' is not allowed (resolves to"),
     (["-m", f"hydra.launcher._target_={MARK}"], f"hydra.launcher._target_='{MARK}' is not allowed"),
-    (["-m", "hydra.launcher._target_=experiments.progress.SweepProgress"],
-     "hydra.launcher._target_='experiments.progress.SweepProgress' is not allowed (resolves to experiments.progress.SweepProgress)"),
+    (["-m", "hydra.launcher._target_=experiments.app.progress.SweepProgress"],
+     "hydra.launcher._target_='experiments.app.progress.SweepProgress' is not allowed (resolves to experiments.app.progress.SweepProgress)"),
     (["-m", "hydra/launcher=joblib", f"+hydra.launcher.x._target_={MARK}"],
      f"hydra.launcher.x._target_='{MARK}' is not allowed (names nothing the app loads); allowed: none"),
     (["-m", "hydra/launcher=slurm_local", "+hydra.launcher.x._target_=subprocess.run"],

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.data import CharData, TeacherVectors, TemplateImages, stdlib_files, step_generator
+from experiments.workloads.data import CharData, TeacherVectors, TemplateImages, stdlib_files, step_generator
 
 
 def test_stdlib_files_are_a_fixed_sorted_top_level_list() -> None:

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from experiments import distributed as D
-from experiments import gpu_slots
-from experiments.models import MLP
+from experiments.app import distributed as D
+from experiments.app import gpu_slots
+from experiments.workloads.models import MLP
 
 WORLD = 2
 STEPS = 7
@@ -289,7 +289,7 @@ def test_submitit_tasks_form_one_process_group(tmp_path: Path, monkeypatch: pyte
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_two_ranks_match_one_process(tmp_path: Path) -> None:
-    """`torchrun --nproc_per_node=2 -m experiments.train -m strategy=native,max_ema` (DDP, gloo):
+    """`torchrun --nproc_per_node=2 -m experiments.app.train -m strategy=native,max_ema` (DDP, gloo):
     each rank trains on half of the same global batch and DDP averages the gradients, so the native
     job matches a one-process run on the whole batch up to summation order; only rank 0 writes the
     run record; the second job of the sweep reuses the process group (re-creating it hangs)."""
@@ -303,7 +303,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path: Path) -> None:
             "train.eval_every=0", "train.checkpoint_every=0"]
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     ddp = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "experiments.train",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "experiments.app.train",
          "-m", "strategy=native,max_ema", *args, f"hydra.sweep.dir={tmp_path / 'ddp'}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import strategies
-from experiments.fidelity import capture_rng, probe
+from experiments.app.fidelity import capture_rng, probe
 
 
 def two_layers() -> torch.nn.Sequential:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.fp8 import CastScaler, quantize_dequantize, stochastic_round
-from experiments.precision import BoundaryHooks, Precision
+from experiments.workloads.fp8 import CastScaler, quantize_dequantize, stochastic_round
+from experiments.workloads.precision import BoundaryHooks, Precision
 from strategies.formats import FP16_MIN_NORMAL
 
 E4M3 = torch.float8_e4m3fn

@@ -1,4 +1,4 @@
-"""The fp8 forward casts (experiments/fp8_forward.py) and the fp8_hybrid precision, against plain
+"""The fp8 forward casts (experiments/workloads/fp8_forward.py) and the fp8_hybrid precision, against plain
 torch: the cast is ``x.to(float8_e4m3fn).to(x.dtype)`` after scaling, TransformerEngine's scale
 rules re-stated in plain Python, and the GEMM's backward with the quantised operands (TE's
 ``backward_override=None``)."""
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from experiments.fp8 import CastScaler
-from experiments.fp8_forward import LinearCasts
-from experiments.models import GPT
-from experiments.precision import BoundaryHooks, Precision
+from experiments.workloads.fp8 import CastScaler
+from experiments.workloads.fp8_forward import LinearCasts
+from experiments.workloads.models import GPT
+from experiments.workloads.precision import BoundaryHooks, Precision
 from strategies.boundaries import Boundaries
 
 E4M3 = torch.float8_e4m3fn

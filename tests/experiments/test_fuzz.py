@@ -3,7 +3,7 @@ hostile values — NaN, -1, huge, strings, lists, nested dicts, ``${oc.env:...}`
 Every run must end with a result (exit 0) or a one-line error (exit 2), never a traceback.
 
 In-process, as ``main()`` does it: :func:`check_overrides`, :func:`preflight`, then
-:func:`experiments.loop.run`, where only ``AppError``/``ConfigError`` (Hydra prints their one-line
+:func:`experiments.app.loop.run`, where only ``AppError``/``ConfigError`` (Hydra prints their one-line
 message and the app exits 2) may escape. A fixed, seeded sample runs in CI; a larger one is slow.
 """
 
@@ -16,9 +16,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from experiments import schema
-from experiments.build import AppError
-from experiments.loop import run
-from experiments.train import check_overrides, preflight
+from experiments.app.build import AppError
+from experiments.app.loop import run
+from experiments.app.train import check_overrides, preflight
 from tests.experiments.runs import QUIET, TINY, cli, compose_cfg
 
 BASE = [*TINY["mlp"], *QUIET, "train.steps=3", "train.log_every=1", "train.eval_every=0", "train.hist_every=1"]
@@ -29,9 +29,9 @@ HOSTILE = [
     "1", "2", "0.5",  # plausible values too, so that some samples train
 ]
 TARGETS = [
-    "os.system", "builtins.eval", "experiments.checkpoint.torch.load", "experiments.records.write_json_atomic",
-    "torch.load", "torch.optim.SGD", "torch.nn.Linear", "strategies.create", "experiments.models.MLP",
-    "experiments.data.CharData", "experiments.loggers.WandbLogger", "subprocess.run", "no.such.module",
+    "os.system", "builtins.eval", "experiments.app.checkpoint.torch.load", "experiments.app.records.write_json_atomic",
+    "torch.load", "torch.optim.SGD", "torch.nn.Linear", "strategies.create", "experiments.workloads.models.MLP",
+    "experiments.workloads.data.CharData", "experiments.app.loggers.WandbLogger", "subprocess.run", "no.such.module",
 ]
 GROUPS = ("model", "data", "precision", "strategy", "regime", "optimizer", "train", "logger", "")
 
@@ -113,7 +113,7 @@ def test_many_hostile_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize(
     "override",
-    ["strategy._target_=experiments.checkpoint.torch.load", "optimizer.lr=nan", "seed=${oc.env:SCALELAB_FUZZ_UNSET}",
+    ["strategy._target_=experiments.app.checkpoint.torch.load", "optimizer.lr=nan", "seed=${oc.env:SCALELAB_FUZZ_UNSET}",
      "model.width={a:{b:1}}"],
 )
 def test_the_cli_prints_one_line_and_exits_2(tmp_path: Path, override: str) -> None:

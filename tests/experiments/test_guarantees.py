@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import checkpoint, records, schema
-from experiments.build import AppError, ConfigError
-from experiments.rundir import RunDir, config_diff
+from experiments.app import checkpoint, records
+
+from experiments import schema
+from experiments.app.build import AppError, ConfigError
+from experiments.app.rundir import RunDir, config_diff
 from tests.experiments.runs import QUIET, TINY, cli, compose_cfg, read_rows, run_tiny
 
 SHORT = ["train.steps=10", "train.log_every=5", "train.checkpoint_every=5", "train.eval_every=0"]
@@ -137,7 +139,7 @@ def test_a_second_writer_fails_at_once_and_overwrites_nothing(tmp_path: Path) ->
 
 
 def test_the_lock_is_released_when_the_run_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import experiments.loop as loop
+    import experiments.app.loop as loop
 
     monkeypatch.setattr(loop, "_evaluate", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):

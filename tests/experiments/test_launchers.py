@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.train import group_options
+from experiments.app.train import group_options
 from tests.experiments.runs import QUIET, TINY, cli
 
 FEW_STEPS = ["train.steps=4", "train.log_every=2", "train.eval_every=0", "train.checkpoint_every=0", "train.hist_every=0"]
@@ -62,7 +62,7 @@ def _sweep(tmp_path: Path, *args: str, timeout: float = 300) -> Path:
 
 
 def _expect_progress(tmp_path: Path, records: dict[tuple[str, int], dict]) -> None:
-    """experiments/progress.py: one line per finished job, counted 1..N across the workers, naming it."""
+    """experiments/app/progress.py: one line per finished job, counted 1..N across the workers, naming it."""
     lines = [ln for ln in (tmp_path / "stderr.txt").read_text().splitlines() if ln.startswith("[")
              and "/" in ln.split("]")[0] and " ETA " in ln]
     n = len(records)

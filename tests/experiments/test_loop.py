@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import experiments.loop as loop
+import experiments.app.loop as loop
 import strategies
-from experiments.recipe import lr_at
-from experiments.train import group_options
+from experiments.app.recipe import lr_at
+from experiments.app.train import group_options
 from strategies.base import Strategy
 from tests.experiments.runs import run_tiny
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments import train
+from experiments.app import train
 from strategies import kernels
 from tests.experiments.runs import QUIET, TINY
 
@@ -78,7 +78,7 @@ def test_sdist_and_wheel_ship_conf_and_kernel_sources(installed) -> None:
 def test_installed_scripts_train_and_report_outside_the_checkout(installed) -> None:
     site, cwd = installed["site"], installed["cwd"]
     env = _env(site, SCALELAB_KERNELS="0")
-    where = _run([sys.executable, "-c", "import analysis, experiments.train as t, strategies.kernels as k; "
+    where = _run([sys.executable, "-c", "import analysis, experiments.app.train as t, strategies.kernels as k; "
                   "print(analysis.__file__, t.__file__, k.__file__, t.CONF_DIR, k.source_dir(), sep='\\n')"],
                  cwd=cwd, env=env).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in where), where

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from experiments.models import MLP
-from experiments.precision import HIST_BINS, HIST_LO, BoundaryHooks, Precision, quantize_dequantize
+from experiments.workloads.models import MLP
+from experiments.workloads.precision import HIST_BINS, HIST_LO, BoundaryHooks, Precision, quantize_dequantize
 from strategies.formats import FP16_MIN_NORMAL
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -1,4 +1,4 @@
-"""experiments/progress.py: the job count a sweep announces is the basic sweeper's, and the kernel
+"""experiments/app/progress.py: the job count a sweep announces is the basic sweeper's, and the kernel
 extension is built before any worker starts. (The per-job lines of real sweeps are checked in
 test_launchers.py.)"""
 
@@ -14,8 +14,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_config_search_path
 
-from experiments.progress import SweepProgress, count_jobs, job_line
-from experiments.train import CONF_DIR
+from experiments.app.progress import SweepProgress, count_jobs, job_line
+from experiments.app.train import CONF_DIR
 
 CASES = [
     ({"precision": "fp16", "regime": "plain,tiny_grad,spikes", "seed": "0,1,2,3,4",

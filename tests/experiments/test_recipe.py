@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from experiments.models import GPT
-from experiments.recipe import decay_groups, lr_at
+from experiments.workloads.models import GPT
+from experiments.app.recipe import decay_groups, lr_at
 from tests.experiments.runs import run_tiny
 
 
@@ -60,13 +60,13 @@ def test_a_run_logs_the_schedule_and_clips_like_the_recipe(tmp_path) -> None:
     ("train.lr_warmup=-1", "train.lr_warmup"),
 ])
 def test_bad_recipe_options_are_one_line_errors(tmp_path, override: str, message: str) -> None:
-    from experiments.build import ConfigError
+    from experiments.app.build import ConfigError
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         run_tiny(tmp_path, override)
 
 
 def test_a_zero_weight_decay_keeps_one_group(tmp_path) -> None:
-    from experiments.build import build_optimizer
+    from experiments.app.build import build_optimizer
     from omegaconf import OmegaConf
     cfg = OmegaConf.create({"optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.0}})
     assert len(build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]).param_groups) == 1

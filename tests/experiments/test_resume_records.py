@@ -22,10 +22,10 @@ from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission, JobPaths
 from submitit.slurm.slurm import SlurmJobEnvironment
 
-import experiments.loop as loop
+import experiments.app.loop as loop
 from analysis.load import load_runs
 from experiments import schema
-from experiments.build import ConfigError
+from experiments.app.build import ConfigError
 from tests.experiments.runs import QUIET, REPO, TINY, cli, read_rows, run_tiny
 
 TIMING = ("step_time_s", "strategy_time_s")
@@ -260,7 +260,7 @@ def test_a_job_slurm_requeues_says_requeued_then_resumes_from_its_checkpoint(tmp
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled")
     log = tmp_path / "launcher.log"
     with open(log, "w") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
+        launcher = subprocess.Popen([sys.executable, "-m", "experiments.app.train", *args], cwd=REPO, env=env,
                                     stdout=out, stderr=subprocess.STDOUT)
     run_dir, job = sweep / "0", None
     try:

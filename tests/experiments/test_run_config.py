@@ -1,5 +1,5 @@
-"""``experiments.config.RunConfig``: the typed run options the loop reads. Validation is
-:func:`experiments.build.validate`'s (reused, not repeated): a bad type or value is the same
+"""``experiments.app.config.RunConfig``: the typed run options the loop reads. Validation is
+:func:`experiments.app.build.validate`'s (reused, not repeated): a bad type or value is the same
 one-line ``ConfigError``; good values come out typed and equal to the composed config's."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.build import ConfigError, validate
-from experiments.config import RunConfig
-from experiments.recipe import lr_at
+from experiments.app.build import ConfigError, validate
+from experiments.app.config import RunConfig
+from experiments.app.recipe import lr_at
 from tests.experiments.runs import QUIET, TINY, compose_cfg
 
 

@@ -1,4 +1,4 @@
-"""experiments/unit_scaling.py against plain torch: each scaled op's value and gradients are torch's
+"""experiments/workloads/unit_scaling.py against plain torch: each scaled op's value and gradients are torch's
 times the scales the library states; the unit-scaled GPT's gradients are the true gradients of
 its forward times one constant per parameter (the scale constraints hold); at init its
 activations and activation gradients have std near 1 at every layer, the standard GPT's
@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments import recipe, unit_scaling as us
-from experiments.models import GPT
-from experiments.precision import BoundaryHooks, Precision
+from experiments.app import recipe
+
+from experiments.workloads import unit_scaling as us
+from experiments.workloads.models import GPT
+from experiments.workloads.precision import BoundaryHooks, Precision
 
 V, T, B, C = 65, 16, 8, 32
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from scipy.special import erfinv
 
 import strategies
-from strategies.adaloss import adaloss_update_
+from strategies.rules.adaloss import adaloss_update_
 
 
 def reference_scales(g_sigma2, g_max, w_sigma2, w_max, fan, n_uf=1e-3, u_min=6.0e-8, u_max=65504.0,
@@ -117,7 +117,7 @@ def test_adaloss_parameters_are_validated(bad, message) -> None:
 def test_weight_statistics_equal_a_plain_computation() -> None:
     """Per group: mean square and abs-max over the weight matrices only (vectors ignored), the
     largest shape[0] as fan; a group without a matrix gets (1, 1, 1)."""
-    from strategies.adaloss import WeightStats
+    from strategies.rules.adaloss import WeightStats
 
     torch.manual_seed(0)
     groups = [[torch.randn(8, 4), torch.randn(4)], [torch.randn(5)], [torch.randn(16, 8) * 3, -torch.rand(3, 3) * 40]]

@@ -23,7 +23,7 @@ def hook_count(model: torch.nn.Module) -> int:
 
 
 def test_layers_are_declared_boundaries_or_the_children_that_own_parameters() -> None:
-    from experiments.models import GPT
+    from experiments.workloads.models import GPT
 
     assert layers(mlp()) == ["0", "2", "3"]  # Tanh owns no parameter
     gpt = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -74,7 +74,7 @@ def test_rescale_comes_before_quantize() -> None:
 
 
 def test_layerwise_and_fp8_hooks_agree_in_either_order() -> None:
-    from experiments.precision import BoundaryHooks, Precision
+    from experiments.workloads.precision import BoundaryHooks, Precision
 
     fp8 = Precision.from_config({"name": "fp8_e5m2", "autocast": "bfloat16", "grad_format": "float8_e5m2",
                                  "max": 57344.0, "smallest_normal": 2.0**-14})

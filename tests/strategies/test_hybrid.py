@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from strategies.hybrid import HybridParams, hybrid_hparams, hybrid_update_
+from strategies.rules.hybrid import HybridParams, hybrid_hparams, hybrid_update_
 from tests.helpers import batch, forbid_host_sync, mlp, params_equal
 from tests.strategies.drivers import fp16_run
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from strategies import base, binding
-from strategies.hybrid import HybridStrategy, hybrid_update_
-from strategies.layerwise import LayerwiseStrategy
-from strategies.max_ema import MaxEmaStrategy, max_ema_update_
+from strategies.rules.hybrid import HybridStrategy, hybrid_update_
+from strategies.rules.layerwise import LayerwiseStrategy
+from strategies.rules.max_ema import MaxEmaStrategy, max_ema_update_
 from strategies.params import ScalerParams, hp
 from strategies import validation as v
 from strategies.stats import GradStats
-from strategies.tolerance import ToleranceStrategy
+from strategies.rules.tolerance import ToleranceStrategy
 
 
 def _recorded(monkeypatch: pytest.MonkeyPatch, s: base.Strategy, found: torch.Tensor,

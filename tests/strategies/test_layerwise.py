@@ -296,7 +296,7 @@ def test_group_patterns_and_coverage_errors() -> None:
 
 # ------------------------------------------------------------------ the project's own models
 def _project_models():
-    from experiments.models import CNN, GPT, MLP
+    from experiments.workloads.models import CNN, GPT, MLP
 
     torch.manual_seed(0)
     return [

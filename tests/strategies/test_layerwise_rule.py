@@ -52,7 +52,7 @@ def test_any_positive_finite_init_scale_is_rounded_down_to_a_power_of_two_with_a
     ],
 )
 def test_layerwise_update_attribution_table(group_bad, emitted, contaminated, numel, expect_scales, expect_origin) -> None:
-    from strategies.layerwise import layerwise_update_
+    from strategies.rules.layerwise import layerwise_update_
 
     G = 3
     f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731

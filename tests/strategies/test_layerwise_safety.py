@@ -14,7 +14,7 @@ import strategies
 
 
 def tied_gpt() -> torch.nn.Module:
-    from experiments.models import GPT
+    from experiments.workloads.models import GPT
 
     torch.manual_seed(0)
     model = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)

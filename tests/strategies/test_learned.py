@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import strategies
-from strategies.learned import LearnedParams, learned_hparams, learned_update_
+from strategies.rules.learned import LearnedParams, learned_hparams, learned_update_
 from tests.strategies.drivers import fp16_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny fp16-autocast models: one thread (conftest.py)

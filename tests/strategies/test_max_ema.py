@@ -9,7 +9,7 @@ import torch
 
 import strategies
 from strategies.formats import round_down_pow2
-from strategies.max_ema import max_ema_update_
+from strategies.rules.max_ema import max_ema_update_
 from tests.helpers import forbid_host_sync
 
 INF = math.inf

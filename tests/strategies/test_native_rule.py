@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import strategies
-from strategies.native import native_update_
+from strategies.rules.native import native_update_
 from tests.helpers import forbid_host_sync
 from tests.strategies.drivers import drive
 

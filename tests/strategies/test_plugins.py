@@ -18,7 +18,7 @@ from strategies.registry import PLUGIN_GROUP, PluginWarning, load_plugins
 PLUGINS = {
     # name: module source
     "good": """
-        from strategies.native import NativeStrategy
+        from strategies.rules.native import NativeStrategy
         from strategies.registry import register_strategy
 
         @register_strategy("plugin_good")
@@ -26,7 +26,7 @@ PLUGINS = {
             pass
     """,
     "impostor": """
-        from strategies.native import NativeStrategy
+        from strategies.rules.native import NativeStrategy
         from strategies.registry import register_strategy
 
         @register_strategy("plugin_first")  # registered, then rolled back with the whole plugin
@@ -39,7 +39,7 @@ PLUGINS = {
     """,
     "sneaky": """
         from strategies import registry
-        from strategies.native import NativeStrategy
+        from strategies.rules.native import NativeStrategy
 
         class Sneaky(NativeStrategy):
             pass
@@ -91,7 +91,7 @@ def test_a_good_plugin_registers_its_strategy(fake_plugins) -> None:
 
 
 @pytest.mark.parametrize("bad,needle", [
-    ("impostor", "strategy name 'native' is already registered by strategies.native.NativeStrategy"),
+    ("impostor", "strategy name 'native' is already registered by strategies.rules.native.NativeStrategy"),
     ("sneaky", "it replaces the registered strategy 'static'"),
     ("broken", "ImportError: No module named 'missing_dependency'"),
     ("exits", "SystemExit: 3"),
@@ -112,6 +112,6 @@ def test_reregistering_the_same_class_is_allowed_another_class_of_that_name_is_n
     cls = strategies.get("native")
     assert registry.register_strategy("native")(cls) is cls  # a module reloaded registers itself again
     impostor = type(cls.__name__, (cls,), {"__module__": "somewhere_else", "__qualname__": cls.__qualname__})
-    with pytest.raises(ValueError, match="already registered by strategies.native"):
+    with pytest.raises(ValueError, match="already registered by strategies.rules.native"):
         registry.register_strategy("native")(impostor)
     assert strategies.get("native") is cls

@@ -43,7 +43,7 @@ def test_duplicate_or_bad_names_rejected() -> None:
 def test_a_new_file_is_discovered_with_no_other_edit(tmp_path: Path) -> None:
     pkg = tmp_path / "strategies"
     shutil.copytree(ROOT / "strategies", pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "fixed.py").write_text(textwrap.dedent('''
+    (pkg / "rules" / "fixed.py").write_text(textwrap.dedent('''
         from strategies.base import Strategy
         from strategies.registry import register_strategy
 

@@ -41,7 +41,7 @@ def scaler_for(name: str, kw: dict, model, data: Data, loss_fn, enabled: bool = 
 def one_scale(name: str) -> bool:
     """Attach only where every gradient carries the one scale ``get_scale()`` returns. torch's
     clipping-without-unscale_ and penalty recipes multiply by that scale; an attached per-group
-    rule gives each layer group its own (strategies/layerwise.py), so there it runs unattached
+    rule gives each layer group its own (strategies/rules/layerwise.py), so there it runs unattached
     (one group). Its per-group unscaling is checked by the other cases."""
     return not strategies.get(name).per_group
 
@@ -226,7 +226,7 @@ def test_grad_scaling_accumulation(name, kw) -> None:
 @pytest.mark.parametrize("name,kw", CASES)
 def test_grad_scaling_multiple(name, kw) -> None:
     """Two models, two optimizers, both receiving gradients from two losses. The strategy is not
-    attached: layerwise's groups must form one chain (strategies/layerwise.py), and two models
+    attached: layerwise's groups must form one chain (strategies/rules/layerwise.py), and two models
     feeding two losses do not; it runs as a single group."""
     for enabled in True, False:
         mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = create_scaling_case()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import strategies
 from strategies.formats import FP16_MAX, FP16_MIN_NORMAL
 from strategies.stats import E_BINS, E_LO, bin_counts, exponent_histogram, fold_histogram
-from strategies.underflow_target import underflow_target_update_
+from strategies.rules.underflow_target import underflow_target_update_
 
 
 def place(values: list[float], scale: float = 1.0, found: float = 0.0, target: float = 1e-3,
@@ -111,7 +111,7 @@ def test_lowers_the_input_side_zero_fraction_against_native() -> None:
 
 @pytest.mark.parametrize("lo,bins", [(-64, 96), (-20, 8)])
 def test_folded_histogram_equals_clamped_bincount_of_the_exponents(lo, bins) -> None:
-    """The run record's histogram (experiments.precision: exponents from ``lo``, ``bins`` bins,
+    """The run record's histogram (experiments.workloads.precision: exponents from ``lo``, ``bins`` bins,
     out-of-range exponents clamped into the end bins) is the full one folded: equal to a plain
     frexp + clamp + bincount over the nonzero finite entries."""
     gen = torch.Generator().manual_seed(7)

@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis.claims import adaloss
-from analysis.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns,
+from analysis.reproduce.claims import adaloss
+from analysis.reproduce.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns,
                                   load_claim_runs)
-from experiments.loop import run
-from experiments.train import CONF_DIR
+from experiments.app.loop import run
+from experiments.app.train import CONF_DIR
 from tests.experiments.runs import cli, compose_cfg, compose_with_choices, read_rows
 
 SEEDS = 10
@@ -106,7 +106,7 @@ def test_the_note_gives_the_share_of_adaloss_scales_at_one_late_in_training() ->
 
 def test_the_experiment_is_the_deep_narrow_mlp_in_fp16_with_no_multiplier_and_ten_seeds() -> None:
     cfg = compose_cfg("+experiment=repro_adaloss")
-    assert (cfg.model._target_, cfg.model.depth, cfg.model.width) == ("experiments.models.MLP", 8, 16)
+    assert (cfg.model._target_, cfg.model.depth, cfg.model.width) == ("experiments.workloads.models.MLP", 8, 16)
     assert (cfg.data.name, cfg.precision.name, cfg.regime.loss_multiplier) == ("images", "fp16", 1.0)
     assert cfg.sweep == "repro_adaloss"
     text = (CONF_DIR / "experiment" / "repro_adaloss.yaml").read_text()

@@ -1,4 +1,4 @@
-"""analysis/claims/fp8.py: each verdict on hand-made runs, and the experiment end to end."""
+"""analysis/reproduce/claims/fp8.py: each verdict on hand-made runs, and the experiment end to end."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.claims import CLAIMS
-from analysis.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
-from analysis.claims.fp8 import CLAIM, MARGIN, ROLE_COLUMNS, evaluate
+from analysis.reproduce.claims import CLAIMS
+from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.fp8 import CLAIM, MARGIN, ROLE_COLUMNS, evaluate
 
 REPO = Path(__file__).resolve().parents[3]
 #: (precision, activation, weight, gradient) of each arm of conf/experiment/repro_fp8.yaml
@@ -79,7 +79,7 @@ def test_claim_is_registered_with_its_sources_and_deviations():
 def test_the_experiment_end_to_end_at_toy_size(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     for extra in CLAIM.sweeps:
-        proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", "+experiment=repro_fp8", *extra,
+        proc = subprocess.run([sys.executable, "-m", "experiments.app.train", "-m", "+experiment=repro_fp8", *extra,
                                f"hydra.sweep.dir={tmp_path}", "logger=none", "train.steps=4", "train.log_every=2",
                                "seed=0,1"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

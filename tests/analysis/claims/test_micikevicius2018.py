@@ -1,4 +1,4 @@
-"""Claim ``micikevicius2018`` (analysis/claims/micikevicius2018.py): its verdicts on hand-made
+"""Claim ``micikevicius2018`` (analysis/reproduce/claims/micikevicius2018.py): its verdicts on hand-made
 runs, the band shares against a plain re-count, the deep CNN's ``pool_every`` against a plain-torch
 model, and (slow) the experiment end to end at toy size."""
 
@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from analysis.claims import CLAIMS
-from analysis.claims.base import NOT_REPRODUCED, REPRODUCED, INCONCLUSIVE, ClaimRuns, load_claim_runs
-from analysis.claims.micikevicius2018 import CLAIM, band, band_shares, evaluate, parity_margin
+from analysis.reproduce.claims import CLAIMS
+from analysis.reproduce.claims.base import NOT_REPRODUCED, REPRODUCED, INCONCLUSIVE, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.micikevicius2018 import CLAIM, band, band_shares, evaluate, parity_margin
 from analysis.runset import RunSet
-from experiments.models import CNN
+from experiments.workloads.models import CNN
 
 REPO = Path(__file__).resolve().parents[3]
 SEEDS = range(10)
@@ -134,7 +134,7 @@ def test_cnn_pool_every_matches_a_plain_torch_vgg_stage_net():
 def test_the_experiment_end_to_end_at_toy_size(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     for extra in CLAIM.sweeps[:2]:  # the deep CNN's static arms and its fp32 reference
-        proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", "+experiment=repro_micikevicius2018",
+        proc = subprocess.run([sys.executable, "-m", "experiments.app.train", "-m", "+experiment=repro_micikevicius2018",
                                *extra, "seed=0,1", "train.steps=4", "train.hist_every=2", "train.log_every=2",
                                "hydra/launcher=basic", f"hydra.sweep.dir={tmp_path}", "logger=none"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from analysis.claims import CLAIMS
-from analysis.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, VERDICTS,
+from analysis.reproduce.claims import CLAIMS
+from analysis.reproduce.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, VERDICTS,
                                   load_claim_runs)
-from analysis.claims.profiles import CLAIM
+from analysis.reproduce.claims.profiles import CLAIM
 from tests.analysis.profile_synth import claim_runs
 from tests.experiments.runs import cli
 

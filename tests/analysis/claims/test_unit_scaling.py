@@ -1,4 +1,4 @@
-"""analysis/claims/unit_scaling.py: each verdict on hand-made runs, and the experiment end to end."""
+"""analysis/reproduce/claims/unit_scaling.py: each verdict on hand-made runs, and the experiment end to end."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.claims import CLAIMS
-from analysis.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
-from analysis.claims.unit_scaling import CLAIM, MARGIN, evaluate
+from analysis.reproduce.claims import CLAIMS
+from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.unit_scaling import CLAIM, MARGIN, evaluate
 
 REPO = Path(__file__).resolve().parents[3]
 ARMS = [(False, "fp32", "none"), (False, "fp16", "none"), (False, "fp8_e5m2", "none"), (True, "fp32", "none"),
@@ -87,7 +87,7 @@ def test_claim_is_registered_with_its_sources_and_deviations():
 def test_the_experiment_end_to_end_at_toy_size(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     for extra in CLAIM.sweeps:
-        proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", "+experiment=repro_unit_scaling",
+        proc = subprocess.run([sys.executable, "-m", "experiments.app.train", "-m", "+experiment=repro_unit_scaling",
                                *extra, f"hydra.sweep.dir={tmp_path}", "logger=none", "train.steps=6",
                                "train.log_every=3", "seed=0,1"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

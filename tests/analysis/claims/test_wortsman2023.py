@@ -1,4 +1,4 @@
-"""Wortsman et al. 2023 (analysis/claims/wortsman2023.py): the LR-sensitivity formula against a
+"""Wortsman et al. 2023 (analysis/reproduce/claims/wortsman2023.py): the LR-sensitivity formula against a
 plain re-statement, the per-seed helpers and every verdict on hand-made runs, ℓ0 against the
 model's real first loss, and (slow) the experiment end to end at toy size."""
 
@@ -14,13 +14,13 @@ import pandas as pd
 import pytest
 import torch
 
-from analysis.claims import CLAIMS
-from analysis.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
-from analysis.claims.wortsman2023 import (CLAIM, L0, LR, QK, evaluate, lr_sensitivity, per_seed_metric,
+from analysis.reproduce.claims import CLAIMS
+from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.wortsman2023 import (CLAIM, L0, LR, QK, evaluate, lr_sensitivity, per_seed_metric,
                                           sensitivities)
-from experiments import recipe
-from experiments.data import CharData, step_generator
-from experiments.models import GPT
+from experiments.app import recipe
+from experiments.workloads.data import CharData, step_generator
+from experiments.workloads.models import GPT
 
 REPO = Path(__file__).resolve().parents[3]
 RATES = (0.01, 0.1, 1.0)
@@ -162,7 +162,7 @@ def test_the_experiment_end_to_end_at_toy_size(tmp_path: Path):
     sweep = tmp_path / "wortsman2023"
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled")
     for extra in CLAIM.sweeps:
-        cmd = [sys.executable, "-m", "experiments.train", "-m", f"+experiment=repro_{CLAIM.name}", *extra,
+        cmd = [sys.executable, "-m", "experiments.app.train", "-m", f"+experiment=repro_{CLAIM.name}", *extra,
                "seed=0,1", "hydra.sweeper.params.strategy=native",
                "optimizer.lr=0.01,1.0", "train.steps=15", "hydra/launcher=basic",
                f"hydra.sweep.dir={sweep}", "logger=none"]

@@ -1,0 +1,3 @@
+"""``scalelab-reproduce``: the published claims (``claims/``), the runner (``cli.py``) that
+launches their sweeps, and the page (``page.py``) written from their runs.
+"""

@@ -1,0 +1,2 @@
+"""``scalelab-bench``: strategy overhead and the statistics pass, CPU and GPU sections.
+"""

@@ -1,0 +1,128 @@
+"""What every ``scalelab-bench`` section (CPU: :mod:`experiments.bench.cli` and
+:mod:`experiments.bench.steps`; GPU: :mod:`experiments.bench.gpu`) shares: sizes, the benchmark
+gradients, the scalers and their step, a no-op optimizer, paired shuffled rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+import strategies
+
+SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """``"50M"`` -> 50_000_000; plain integers accepted."""
+    t = text.strip().upper()
+    try:
+        if t and t[-1] in SUFFIX:
+            value = int(float(t[:-1]) * SUFFIX[t[-1]])
+        else:
+            value = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes must look like 1M, 250K or 1000000, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return value
+
+
+def make_params(numel: int, tensors: int, seed: int = 0,
+                device: str = "cpu") -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """``tensors`` float32 parameters on ``device`` holding ``numel`` elements in all, with
+    gradients ~ N(0, 1e-3) scaled by 2^16 (as a backward of a scaled loss would produce), plus a
+    master copy of them (the same values on every device: drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [numel // tensors + (1 if k < numel % tensors else 0) for k in range(tensors)]
+    params, master = [], []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.zeros(n, device=device))
+        g = (torch.randn(n, generator=gen) * (1e-3 * 2.0**16)).to(device)
+        p.grad = g.clone()
+        params.append(p)
+        master.append(g)
+    return params, master
+
+
+def restore(params: list[torch.nn.Parameter], master: list[torch.Tensor]) -> None:
+    """Gradients back to the master copy (repeated unscaling must not drift into subnormals)."""
+    torch._foreach_copy_([p.grad for p in params], master)
+
+
+def human(n: int) -> str:
+    """50_000_000 -> ``"50M"`` (exact multiples of a tenth of K/M/G), else the digits."""
+    for suffix, f in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= f and n % (f // 10) == 0:
+            return f"{n / f:g}{suffix}"
+    return str(n)
+
+
+HOOKED = {"layerwise": {}, "layerwise_adaloss": {"rule": "adaloss", "init_scale": 1.0}, "underflow_target": {}}
+VARIANTS = {"layerwise_adaloss": ("layerwise", HOOKED["layerwise_adaloss"])}
+"""Rules that are a setting of a registered strategy (conf/strategy/layerwise_adaloss.yaml), timed
+in (a) beside the registered ones."""
+
+
+def make_scaler(name: str, device: str = "cpu") -> Any:
+    """``None`` for "none", torch's GradScaler, a :data:`VARIANTS` entry or a registered strategy,
+    on ``device``."""
+    if name == "none":
+        return None
+    if name == "GradScaler":
+        return torch.amp.GradScaler(device)
+    if name in VARIANTS:
+        base, kw = VARIANTS[name]
+        return strategies.create(base, device=device, **kw)
+    return strategies.create(name, device=device)
+
+
+def scaling_step(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], None]:
+    """One training step's scaling calls — ``scale(loss)``, ``unscale_``, ``step``, ``update`` —
+    or, for ``scaler=None`` (no scaling), the loss used as is and ``opt.step()``."""
+
+    def run() -> None:
+        if scaler is None:
+            _ = loss * 1.0
+            opt.step()
+        else:
+            _ = scaler.scale(loss)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+
+    return run
+
+
+class NoOpOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step`` does nothing: the benchmark times scaling, not SGD."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:  # noqa: D102
+        return None
+
+
+def paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0) -> dict[str, list[float]]:
+    """Milliseconds of each call per round; every round runs each once, in a shuffled order, so
+    drift and position hit both sides of a comparison alike (as section (a))."""
+    for fn in runs.values():  # warm-up
+        fn()
+    order, out = random.Random(seed), {k: [] for k in runs}
+    for _ in range(repeats):
+        for k in order.sample(list(runs), len(runs)):
+            t0 = time.perf_counter()
+            runs[k]()
+            out[k].append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a / b in the same round."""
+    return statistics.median(x / y for x, y in zip(a, b))

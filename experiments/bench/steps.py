@@ -1,0 +1,101 @@
+"""``scalelab-bench`` sections (c) and (d): what a training step costs around the scaler.
+
+(c) **Attach cost per step** — forward + scaled backward + unscale_/step/update of a fixed MLP
+(8 x 512-wide layers, batch 256), with the strategy attached (its layer-boundary transforms run,
+and it gathers what it needs per step: AdaLoss's weight statistics) and without; the difference is
+the hooks' cost per backward plus those statistics. Only the strategies whose ``attach`` installs
+hooks.
+
+(d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
+``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
+optimizer unscales in its kernel; the strategy only reads the gradients for its statistics, as
+``torch.amp.GradScaler`` hands ``grad_scale`` over). The difference is the pass saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import strategies
+from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio
+
+def bench_hooks(repeats: int) -> list[dict[str, Any]]:
+    """Two copies of one MLP, one with the strategy attached, timed round by round: a training
+    step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
+    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
+                                torch.nn.Linear(512, 1))
+    x, y = torch.randn(256, 512), torch.randn(256, 1)
+    rows = []
+    for label, kw in HOOKED.items():
+        name = "layerwise" if label.startswith("layerwise") else label
+        attached_model = copy.deepcopy(model)
+        plain = strategies.create(name, **kw)
+        hooked = strategies.create(name, **kw).attach(attached_model)
+
+        opts = {id(model): NoOpOptimizer(list(model.parameters())),
+                id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
+
+        def train_step(m: torch.nn.Module, s: Any) -> None:
+            m.zero_grad(set_to_none=True)
+            s.scale(F.mse_loss(m(x), y)).backward()
+            s.step(opts[id(m)])
+            s.update()
+
+        t = paired_ms({"plain": lambda: train_step(model, plain),
+                        "hooked": lambda: train_step(attached_model, hooked)}, repeats)
+        hooked.detach()
+        t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
+        rows.append({"strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
+                     "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"])})
+    return rows
+
+
+def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],
+                repeats: int) -> list[dict[str, Any]]:
+    """Per strategy: a separate unscale_() then the fused step, against the fused step unscaling
+    itself; the two share one optimizer (lr 0: the parameters never move), timed round by round."""
+    opt = torch.optim.AdamW(params, lr=0.0, fused=True)
+    loss = torch.ones((), requires_grad=True)
+    rows = []
+    for name in names:
+        if name == "none":
+            continue
+        scaler = make_scaler(name)
+
+        def run(unscale_first: bool) -> None:
+            torch._foreach_copy_([p.grad for p in params], master)
+            scaler.scale(loss)
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+
+        t = paired_ms({"separate": lambda: run(True), "fused": lambda: run(False)}, repeats)
+        t_sep, t_fused = statistics.median(t["separate"]), statistics.median(t["fused"])
+        rows.append({"strategy": name, "unscale_then_step_ms": t_sep, "fused_ms": t_fused, "saved_ms": t_sep - t_fused})
+    return rows
+
+
+def format_hooks(rows: list[dict[str, Any]]) -> str:
+    lines = ["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256):",
+             "    forward + scaled backward + unscale_/step (no-op)/update, median ms;",
+             "    ratio: median over rounds of attached / plain in the same round", "",
+             f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'extra':>10}{'ratio':>9}", "  " + "-" * 59]
+    lines += [f"  {r['strategy']:<20}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}{r['extra_ms']:>10.3f}"
+              f"{r['ratio']:>8.2f}x" for r in rows]
+    return "\n".join(lines)
+
+
+def format_fused(rows: list[dict[str, Any]], size: str) -> str:
+    lines = [f"(d) AdamW(fused=True) at {size}: unscale_() then step vs the optimizer unscaling itself, median ms",
+             "", f"  {'strategy':<20}{'unscale_+step':>15}{'fused':>10}{'saved':>10}", "  " + "-" * 55]
+    lines += [f"  {r['strategy']:<20}{r['unscale_then_step_ms']:>15.3f}{r['fused_ms']:>10.3f}{r['saved_ms']:>10.3f}"
+              for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,2 @@
+"""``scalelab-doctor``: the CLI, the diagnosis of a stopped run, and the labelled fault suite.
+"""

@@ -1,0 +1,2 @@
+"""The workloads: models, data, precision modes and the simulated low-precision casts.
+"""

@@ -1,0 +1,525 @@
+"""``layerwise``: one power-of-two scale per layer group, exact rescaling at group boundaries.
+
+Rule (seed 003, section 3.3 "层级化动态缩放 (Layer-wise Scaling)": layers near the input usually
+have smaller gradients than layers near the output, so each layer group l keeps its own scale
+S_l). Groups are indexed 0..G-1; by default the model's layers
+(:func:`strategies.boundaries.layers`: its declared ``boundaries``, else each top-level child
+module that owns parameters, looking into ``ModuleList``/``ModuleDict``), or the modules
+matched by ``groups`` (fnmatch patterns over qualified module names; one group per pattern,
+outermost match, first pattern wins). Every trainable parameter must belong to a
+group, and a group whose parameters receive gradients must have been called in forward
+(:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
+
+Mechanics (all scales are powers of two, so every rescaling below is exact unless the result
+leaves the format's range — which is precisely what scaling is about):
+
+* :meth:`attach` registers the ``"rescale"`` stage of the model's layer boundaries
+  (:mod:`strategies.boundaries`) on the group modules. At every group call the graph between the
+  call's tensor arguments and the earlier group calls is walked: the group of a call's
+  *consumer* is recorded (:func:`strategies.layer_groups.link`). In backward the transform of a
+  call of group a receives the gradient of its output at the scale of its consumer's group b and
+  multiplies it by ``S_a / S_b`` (in float32, cast back to the gradient's dtype). Hence a group's
+  parameter gradients carry S_l, and the glue ops between two group calls work at the scale of
+  the consuming group. Transforms are per call, so a module called several times (shared
+  weights, recurrences) is handled, and the order in which groups are listed or registered does
+  not matter: only the graph does (models in a container listed [b, a] and called a then b).
+* :meth:`scale` walks from the loss to the calls it consumes directly and multiplies it by the
+  scale of their consumer group (the group already consuming one of them, else the group of the
+  latest: the group nearest the loss); :meth:`get_scale` returns that scale. Several models
+  feeding one loss, several losses (``retain_graph=True``), an auxiliary loss on an inner
+  activation at the scale of the group consuming it: all exact.
+* The boundaries act only in a backward of a tensor :meth:`scale` returned
+  (:class:`strategies.boundaries.ScaledBackwards`): a plain ``loss.backward()`` (logging, an fp32
+  reference) gives plain gradients.
+* Gradient penalty (PyTorch's AMP examples): ``torch.autograd.grad(strategy.scale(loss), params,
+  create_graph=True)`` returns each group's gradients at its own scale; unscale them with
+  :meth:`unscale_grads`, not ``1 / get_scale()`` — :meth:`get_scale` and :meth:`unscale_` raise
+  ``RuntimeError`` between such a backward and :meth:`unscale_grads`. Then
+  ``strategy.scale(loss + penalty).backward()`` is exact (the maths in :meth:`unscale_grads`).
+* :meth:`unscale_` divides each group's parameter gradients by its own S_l.
+* An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
+  skip connection across a group boundary), is refused with one ``ValueError`` at the forward
+  pass that does it; a skip connection inside a group (ResNet's blocks under the default groups)
+  is exact. Groups that share parameters (tied weights) are merged into one at :meth:`attach`,
+  with one warning (:mod:`strategies.layer_groups`). A model carrying another strategy's hooks is
+  refused at :meth:`attach` (``detach()`` that one first). Not supported: reentrant activation
+  checkpointing inside groups (its inner backward is not a scaled one).
+  ``copy.deepcopy`` of an attached model copies the hooks too: detach first.
+
+Update (per group, in place, no host sync):
+
+* ``rule="max_ema"`` (default): :func:`strategies.rules.max_ema.max_ema_update_` elementwise over the
+  groups with each group's abs-max, rounded down to powers of two; ``rule="backoff_growth"``:
+  torch's backoff/growth per group (:func:`strategies.rules.native.native_update_`).
+* Any non-finite gradient skips the whole step. Only the groups where the overflow *originated*
+  back off; the other groups keep their scale and EMA (their growth tracker restarts, as the
+  step was skipped). Attribution: each boundary hook checks its incoming gradient; a
+  non-finite one there marks the group above as having *emitted* it and the group below as
+  *contaminated*. Origin = (own parameter gradients non-finite, or emitted non-finite) and not
+  contaminated. If no group qualifies (an overflow on a path the hooks do not see), all back off.
+* A group whose parameters got no gradient this step keeps its state.
+
+Without :meth:`attach` it is a single-group strategy (max-EMA with power-of-two scales);
+:meth:`detach` removes every hook and returns to one group at the loss-side scale.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Sequence
+
+import torch
+
+from strategies.rules import adaloss
+
+from strategies import layer_groups
+from strategies import validation as v
+from strategies.base import Strategy
+from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached, tensors_in
+from strategies.formats import round_down_pow2
+from strategies.layer_groups import overflow_origin
+from strategies.rules.max_ema import MaxEmaRule, max_ema_update_
+from strategies.rules.native import native_update_
+from strategies.params import ScalerParams, hp
+from strategies.registry import register_strategy
+from strategies.state import State
+from strategies.stats import GradStats
+
+RULES = ("max_ema", "backoff_growth", "adaloss")
+"""Per-group rules. ``adaloss`` (strategies/rules/adaloss.py) updates through its own op, ``adaloss_step_``
+(CPU twin and CUDA kernel, ``cuda/include/rules/adaloss.h``); the other two through
+``layerwise_update_``."""
+
+
+def layerwise_update_(
+    scales: torch.Tensor,
+    growth_trackers: torch.Tensor,
+    ema: torch.Tensor,
+    ema_steps: torch.Tensor,
+    hysteresis: torch.Tensor,
+    candidate: torch.Tensor,
+    origin: torch.Tensor,
+    found_inf: torch.Tensor,
+    group_found_inf: torch.Tensor,
+    group_absmax: torch.Tensor,
+    group_numel: torch.Tensor,
+    emitted: torch.Tensor,
+    contaminated: torch.Tensor,
+    rule: str,
+    target_max: float,
+    ema_decay: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    grow_on_zero: bool,
+    min_scale: float | None,
+    max_scale: float | None,
+    cap_ema_on_overflow: bool = False,
+) -> None:
+    """The per-group rule, in place on the device (no host sync). Every tensor has shape [G]
+    except ``found_inf`` (scalar: > 0 when any gradient of the step was non-finite).
+
+    Args:
+        scales (float32), growth_trackers (int32), ema (float32), ema_steps (int32),
+            hysteresis (int32, ``backoff_growth``'s tracker, H = 1): the per-group state; updated.
+        candidate: float32, written with each group's ``target_max / absmax`` (``max_ema``).
+        origin: float32, written with 1.0 for the groups blamed for this step's overflow.
+        group_found_inf, group_absmax, group_numel: the step's per-group statistics.
+        emitted, contaminated: float32, > 0 where a boundary hook saw a non-finite gradient
+            leave the group downward / arrive into it from above.
+        rule: ``"max_ema"`` or ``"backoff_growth"``; other arguments: hyper-parameters;
+            ``min_scale``/``max_scale`` are the power-of-two bounds (None: unbounded).
+
+    Origin = (own gradients non-finite or emitted non-finite) and not contaminated, on a
+    skipped step; if no group qualifies, every group. Origin groups run the rule with
+    found_inf = 1 (back off, EMA not fed). Groups that are not origins on a skipped step, and
+    groups that received no gradient, keep their state; every tracker restarts on a skipped step.
+    New scales are rounded down to powers of two and clamped.
+    """
+    skip = found_inf != 0
+    blamed = overflow_origin(found_inf, group_found_inf, emitted, contaminated)
+    frozen = (skip & ~blamed) | (group_numel == 0)
+    old = [t.clone() for t in (scales, growth_trackers, ema, ema_steps, hysteresis)]
+    if rule == "max_ema":
+        max_ema_update_(scales, ema, ema_steps, growth_trackers, candidate, blamed.float(), group_absmax,
+                        target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero,
+                        cap_ema_on_overflow)
+    elif rule == "backoff_growth":
+        native_update_(scales, growth_trackers, hysteresis, blamed.float(),
+                       growth_factor, backoff_factor, growth_interval, 1)
+        scales.copy_(round_down_pow2(scales))
+    else:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    for t, o in zip((scales, growth_trackers, ema, ema_steps, hysteresis), old):
+        t.copy_(torch.where(frozen, o, t))
+    growth_trackers.copy_(torch.where(skip, torch.zeros_like(growth_trackers), growth_trackers))
+    if min_scale is not None or max_scale is not None:
+        scales.clamp_(min=min_scale, max=max_scale)
+    origin.copy_(blamed.float())
+
+
+def _is_pow2(x: float) -> bool:
+    m, _ = math.frexp(x)
+    return m == 0.5
+
+
+@dataclass
+class LayerwiseParams(MaxEmaRule, ScalerParams):
+    init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1",
+                           "every group's initial scale; rounded down to a power of two (one warning)")
+    growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
+                                        "None = 1 for rule max_ema, 2000 for rule backoff_growth")
+    groups: Optional[List[str]] = hp(None, v.patterns, "scalelab",
+                                     "fnmatch patterns over module names, one group per pattern (None = the layers)")
+    rule: str = hp("max_ema", v.choice(*RULES), "seed 003 §3.3; AdaLoss", "the per-group rule")
+    underflow_rate: float = hp(1e-3, v.between(0.0, 1.0), "AdaLoss n_uf_threshold", "adaloss: target underflow rate")
+    format_min: float = hp(6.0e-8, v.finite_positive, "AdaLoss u_min (fp16)", "adaloss: smallest value of the format")
+    layer_cap: float = hp(16.0, v.above(1.0), "AdaLoss scale_upper_bound", "adaloss: largest factor per group")
+    total_cap: float = hp(1024.0, v.above(1.0), "AdaLoss accum_upper_bound", "adaloss: largest cumulative scale")
+
+    def check(self) -> None:
+        super().check()
+        if self.growth_interval is None:
+            self.growth_interval = 2000 if self.rule == "backoff_growth" else 1
+        if not _is_pow2(self.init_scale):  # any positive finite scale, as GradScaler takes (3.0, 1e38)
+            rounded = 2.0 ** math.floor(math.log2(self.init_scale))
+            warnings.warn(f"layerwise: init_scale {self.init_scale!r} rounded down to the power of two {rounded!r} "
+                          "(group scales are powers of two so that boundary rescaling is exact)", stacklevel=5)
+            self.init_scale = rounded
+        lo, hi = self.pow2_bounds
+        if lo is not None and hi is not None and lo > hi:
+            v.fail("max_scale", f"a bound leaving a power of two in [min_scale={self.min_scale:g}, max_scale]",
+                   self.max_scale)
+
+    @property
+    def pow2_bounds(self) -> tuple[float | None, float | None]:
+        """The powers of two inside [min_scale, max_scale] (None: unbounded)."""
+        lo = None if self.min_scale is None else 2.0 ** math.ceil(math.log2(self.min_scale))
+        hi = None if self.max_scale is None else 2.0 ** math.floor(math.log2(self.max_scale))
+        return lo, hi
+
+
+def _times(g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """``g * ratio``; for fp16/bf16/fp8 in float32 and cast back (the ratio may not fit the format)."""
+    if g.dtype.itemsize < 4:
+        return (g.float() * ratio).to(g.dtype)
+    return g * ratio.to(g.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``g * ratio`` whose derivative with respect to ``g`` is taken as 1 (the boundary in a
+    create_graph backward; :meth:`LayerwiseStrategy.unscale_grads` states why)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _times(g, ratio)
+
+    @staticmethod
+    def backward(ctx: Any, c: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return c, None
+
+
+class _Unscale(torch.autograd.Function):
+    """``g * inv`` whose derivative with respect to ``g`` is ``inv_out`` (see ``unscale_grads``)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, inv: torch.Tensor, inv_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv_out)
+        return _times(g, inv)
+
+    @staticmethod
+    def backward(ctx: Any, c: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (inv_out,) = ctx.saved_tensors
+        return _times(c, inv_out), None, None
+
+
+def _adaloss(params: LayerwiseParams) -> bool:
+    return params.rule == "adaloss"
+
+
+def _per_group(name: str, dtype: torch.dtype, init: float, saved: bool = True, low: float | None = None) -> State:
+    return State(name, dtype, init, per_group=True, saved=saved, low=low)
+
+
+@register_strategy("layerwise")
+class LayerwiseStrategy(Strategy):
+    """Per-layer-group power-of-two scales with exact boundary rescaling (seed 003, section 3.3;
+    mechanics in the module docstring). ``attach(model)`` installs the boundary transforms."""
+
+    Params = LayerwiseParams
+    needs_stats = True
+    per_group = True
+    pow2_scales = True
+    state_spec = (
+        _per_group("ema", torch.float32, 0.0),
+        _per_group("ema_steps", torch.int32, 0, low=0),
+        _per_group("hysteresis", torch.int32, 1),
+        _per_group("candidate", torch.float32, math.nan, saved=False),
+        _per_group("overflow_origin", torch.float32, 0.0, saved=False),
+        State("emitted", torch.float32, 0.0, per_group=True, saved=False, reduce="max"),
+        State("contaminated", torch.float32, 0.0, per_group=True, saved=False, reduce="max"),
+        *(State(n, torch.float32, 0.0, per_group=True, saved=False, when=_adaloss, reduce=op)
+          for n, op in (("ada_g2", "sum"), ("ada_n", "sum"), ("ada_gmax", "max"))),
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group_names: list[str] = ["all"]
+        self._param_group: dict[int, int] = {}
+        self._weight_stats: tuple[Any, adaloss.WeightStats] | None = None
+        self._module_group: dict[int, int] = {}
+        self._weights: list[list[torch.Tensor]] = [[]]  # per group, for rule adaloss
+        self._handle: Any = None
+        self._boundaries: Boundaries | None = None
+        self._scaled = ScaledBackwards()
+        self._key = object()  # this attach's entry in a trace's data
+        self._generation = 0
+        self._called: set[int] = set()
+        self._called_at = -1
+        self._unscale_pending = False  # a create_graph backward crossed a boundary since unscale_grads
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def num_groups(self) -> int:
+        return len(self._group_names)
+
+    @property
+    def group_names(self) -> list[str]:
+        return list(self._group_names)
+
+    def attach(self, model: torch.nn.Module) -> "LayerwiseStrategy":
+        """Split ``model`` into groups and register the boundary rescaling (replacing an earlier
+        attach). Raises ``ValueError`` if a trainable parameter belongs to no group, or if the
+        model still carries another strategy's hooks (``detach()`` that one first)."""
+        self.detach()
+        if not self.params.enabled:
+            return self
+        resolved = layer_groups.resolve(model, self.params.groups)
+        if not resolved:  # a leaf model: one group, no boundary
+            resolved = [(type(model).__name__, [])]
+            param_group = {id(p): 0 for p in model.parameters()}
+        else:
+            param_group = {}
+            for gi, (_, mods) in enumerate(resolved):
+                for m in mods:
+                    for p in m.parameters():
+                        param_group.setdefault(id(p), gi)
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in param_group]
+        if missing:
+            raise ValueError(f"layerwise: parameters {missing} belong to no group; "
+                             "pass groups=[...] patterns that cover every trainable parameter")
+        modules = [m for _, mods in resolved for m in mods]
+        gen = self._generation + 1
+        if modules:
+            boundaries = Boundaries.of(model)
+            self._handle = boundaries.register(
+                "rescale", modules,
+                on_grad=lambda trace, i, g: self._rescale(gen, trace, i, g),
+                on_call=lambda trace, i: self._on_call(gen, trace, i),
+                on_link=lambda trace, i, below: self._on_link(gen, trace, i, below),
+                owner=self,
+            )
+            self._boundaries = boundaries
+        self._generation = gen
+        self._key = object()
+        self._group_names = [n for n, _ in resolved]
+        self._param_group = param_group
+        self._module_group = {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods}
+        self._weights = [list({id(p): p for m in mods for p in m.parameters()}.values()) for _, mods in resolved]
+        self.regroup_()
+        self.output_group = len(resolved) - 1
+        return self
+
+    def detach(self) -> None:
+        """Remove the boundary transforms; back to one group at the current loss-side scale."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._boundaries = None
+        self._generation += 1
+        self._called = set()
+        self._unscale_pending = False
+        if self.num_groups > 1 or self._param_group:
+            self._group_names = ["all"]
+            self._param_group, self._module_group, self._weights = {}, {}, [[]]
+            self.regroup_()
+
+    # ------------------------------------------------------------------ forward / backward
+    def _links(self, trace: Trace) -> layer_groups.Links:
+        links = trace.data.get(self._key)
+        if links is None:
+            links = trace.data[self._key] = layer_groups.Links()
+        return links
+
+    def _group_of_call(self, trace: Trace, i: int) -> int:
+        return self._module_group[id(trace.calls[i])]
+
+    def _mine(self, trace: Trace, i: int) -> bool:
+        return id(trace.calls[i]) in self._module_group
+
+    def _on_call(self, gen: int, trace: Trace, i: int) -> None:
+        if gen != self._generation:
+            return
+        if self._called_at != self.updates:
+            self._called, self._called_at = set(), self.updates
+        self._called.add(self._group_of_call(trace, i))
+
+    def _on_link(self, gen: int, trace: Trace, i: int, below: list[tuple[Trace, int]]) -> None:
+        """Call i's tensor arguments consume the outputs of ``below``: their gradient arrives at
+        call i's group's scale."""
+        if gen != self._generation:
+            return
+        g = self._group_of_call(trace, i)
+        for tr, k in below:
+            layer_groups.link(self._links(tr), k, g, self._group_names[self._group_of_call(tr, k)],
+                              f"group {self._group_names[g]!r}", self._group_names)
+
+    def _place_loss(self, outputs: Any) -> None:
+        """Choose the loss-side group for ``outputs`` (and so the scale :meth:`scale` applies):
+        the group already consuming a call the loss consumes directly, else the group of the
+        latest such call. After a create_graph backward (gradient penalty) the trace keeps the
+        group of its first loss (the graph now also reaches the calls through that backward)."""
+        trace = self._boundaries.trace if self._boundaries is not None else None
+        current = trace.data.get(self._key) if trace is not None else None
+        if current is not None and current.double:
+            if current.loss_group is not None:
+                self.output_group = current.loss_group
+            return
+        found = reached(tensors_in(outputs), self._mine)
+        if not found:
+            return
+        labels = [self._links(tr).consumer[k] for tr, k in found if k in self._links(tr).consumer]
+        if labels:
+            group = labels[0]
+        else:
+            latest = found[-1] if trace is None else max(found, key=lambda c: (c[0] is trace, c[1]))
+            group = self._group_of_call(*latest)
+        by = f"the loss given to scale() (at group {self._group_names[group]!r}'s scale)"
+        for tr, k in found:
+            layer_groups.link(self._links(tr), k, group, self._group_names[self._group_of_call(tr, k)], by,
+                              self._group_names)
+            self._links(tr).loss_group = group
+        self.output_group = group
+
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
+        """``outputs`` times the scale of their loss-side group (:meth:`_place_loss`); the
+        boundaries rescale only the backwards of tensors returned here (module docstring)."""
+        if self._handle is None or not self.params.enabled:
+            return super().scale(outputs)
+        self._place_loss(outputs)
+        return self._scaled.mark(super().scale(outputs))
+
+    def _rescale(self, gen: int, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b.
+        Only in a backward of a loss that went through :meth:`scale`."""
+        if gen != self._generation or self.state is None or not self._scaled.active():
+            return None
+        a = self._group_of_call(trace, i)
+        links = trace.data.get(self._key)
+        b = None if links is None else links.consumer.get(i)
+        if b is None:
+            raise RuntimeError(
+                f"layerwise: a gradient reaches the output of group {self._group_names[a]!r} from an op the "
+                "boundaries did not see (neither a tensor argument of a group module nor the loss given to "
+                "scale()), so its scale is unknown; scale the whole loss with strategy.scale(loss)")
+        s = self.state
+        if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
+            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
+        if a == b:
+            return None
+        bad = (~torch.isfinite(grad)).any().float()
+        s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
+        s.emitted[b] = torch.maximum(s.emitted[b], bad)
+        ratio = s.scale[a] / s.scale[b]
+        if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates this backward
+            links.double = True
+            self._unscale_pending = True
+            return _StraightThrough.apply(grad, ratio)
+        return _times(grad, ratio)
+
+    # ------------------------------------------------------------------ gradient penalty
+    def unscale_grads(self, grads: Sequence[torch.Tensor | None],
+                      params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradients ``torch.autograd.grad(strategy.scale(loss), params, create_graph=True)``
+        returned, at scale 1: each divided by its own group's scale S_l (GradScaler's recipe
+        multiplies by ``1 / get_scale()``, which is only the loss-side group's). Differentiable,
+        for a gradient penalty, and exact: then ``strategy.scale(loss + penalty).backward()``
+        gives every group's parameters ``S_l * d(loss + penalty)/dp`` (tested against GradScaler).
+
+        Maths: in the create_graph backward each boundary returns ``g * S_a/S_b`` with derivative
+        1, and this returns ``g / S_l`` with derivative ``1 / S_out`` (``S_out`` the loss-side
+        scale): in the second backward the adjoint of every first-backward gradient is then its
+        derivative at scale 1, so what flows from it into the forward activations of group l
+        carries ``S_l``, the scale the boundaries expect there."""
+        state = self._check_initialized("unscale_grads")
+        grads, params = list(grads), list(params)
+        if len(grads) != len(params):
+            raise ValueError(f"unscale_grads: grads and params must have the same length, got {len(grads)} "
+                             f"and {len(params)}")
+        index = self.group_index(params) or [0] * len(params)
+        inv = 1.0 / state.scale.reshape(-1).float()
+        inv_out = 1.0 / self.output_scale().float()
+        self._unscale_pending = False
+        return [None if g is None else _Unscale.apply(g, inv[gi], inv_out) for g, gi in zip(grads, index)]
+
+    def _refuse_pending(self, what: str) -> None:
+        if self._unscale_pending:
+            raise RuntimeError(
+                f"layerwise: {what} after a create_graph backward (gradient penalty): its gradients come back at "
+                "each group's own scale, not at the loss-side get_scale(); unscale them with "
+                "strategy.unscale_grads(grads, params) (docs/strategy-api.md)")
+
+    def get_scale(self) -> float:
+        """The loss-side scale; refused (``RuntimeError``) between a create_graph backward and
+        :meth:`unscale_grads`, where ``1 / get_scale()`` would unscale groups wrongly."""
+        self._refuse_pending("get_scale()")
+        return super().get_scale()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._refuse_pending("unscale_()")
+        super().unscale_(optimizer)
+
+    def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
+        """Each parameter's group. Refuses gradients whose scale is unknown: a group whose
+        parameters received gradients but whose modules were not called (with grad enabled) since
+        the last update. Host-side (Python sets), no tensor read."""
+        if not self._param_group:
+            return None
+        try:
+            index = [self._param_group[id(p)] for p in params]
+        except KeyError:
+            raise ValueError("layerwise: the optimizer holds a parameter outside the attached model") from None
+        if self._handle is not None and self.num_groups > 1:
+            called = self._called if self._called_at == self.updates else set()
+            for gi in sorted(set(index) - called):
+                raise RuntimeError(
+                    f"layerwise: group {self._group_names[gi]!r} has gradients but none of its "
+                    "modules was called in forward since the last update, so their scale is "
+                    "unknown; choose groups (patterns) of modules that are called")
+        return index
+
+    # ------------------------------------------------------------------ the rule
+    def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        assert stats is not None
+        p, s = self.params, self.state
+        lo, hi = p.pow2_bounds
+        if p.rule == "adaloss":
+            key = (self._generation, s.scale.device)
+            if self._weight_stats is None or self._weight_stats[0] != key:  # built once per attach
+                self._weight_stats = (key, adaloss.WeightStats(self._weights, s.scale.device))
+            w2, wmax, fan = self._weight_stats[1]()
+            self.run_update("adaloss_step_", adaloss.adaloss_step_, scales=s.scale, origin=s.overflow_origin,
+                            g2=s.ada_g2, n=s.ada_n, gmax=s.ada_gmax, found_inf=found_inf, group_found_inf=stats.found_inf,
+                            w2=w2, wmax=wmax, fan=fan, quantile=adaloss.quantile(p.underflow_rate), u_min=p.format_min,
+                            u_max=p.format_max, min_scale=lo, max_scale=hi)
+        else:
+            self.run_update("layerwise_update_", layerwise_update_, scales=s.scale, growth_trackers=s.growth_tracker,
+                            origin=s.overflow_origin, found_inf=found_inf, group_found_inf=stats.found_inf,
+                            group_absmax=stats.absmax, group_numel=stats.numel, grow_on_zero=p.zero_grads == "grow",
+                            min_scale=lo, max_scale=hi)
+        self._unscale_pending = False
+        if self._handle is not None:  # only the boundary hooks write them
+            s.contaminated.zero_()
+            s.emitted.zero_()
