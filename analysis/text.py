@@ -92,6 +92,12 @@ def human(n: float) -> str:
     return f"{n:g}"
 
 
+def clock(seconds: float) -> str:
+    """A duration as progress lines print it: ``42s``, ``3m07s``."""
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
 def is_pct(col: str) -> bool:
     return col.endswith("_frac") or col.endswith("_frac_mean")
 

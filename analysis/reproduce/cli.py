@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 import analysis.reproduce.claims as registry
 from analysis.reproduce.claims.base import VERDICTS, Claim
 from analysis.reproduce.page import record_start, record_sweep, train_args, write_page
-from experiments.app.progress import clock
+from analysis.text import clock
 
 __all__ = ["DEFAULTS", "main", "run_claims", "select_claims", "sweep_args", "train_env"]
 
