@@ -1,7 +1,8 @@
 """The training loop: :func:`run`, from a composed config to a finished run directory.
 
 Shape (karpathy/nanoGPT ``train.py``, torchtitan's ``Trainer``): a typed config
-(:class:`experiments.app.config.RunConfig`), the objects it builds
+(:class:`experiments.app.config.RunConfig`), the run directory's one resume decision
+(:meth:`experiments.app.rundir.RunDir.resume_plan`), the objects it builds
 (:class:`experiments.app.step.Parts`), the step read whole
 (:func:`experiments.app.step.train_step`: forward, scaled backward, ``unscale_``, the regime's
 rescaling, clipping, ``step``, ``update``), and the loop around it (:func:`_train`,
@@ -34,7 +35,7 @@ from tqdm import tqdm
 
 from experiments import schema
 from experiments.app import checkpoint as ckpt
-from experiments.app import distributed as dist, fidelity, preemption, recipe, records, stops, telemetry
+from experiments.app import distributed as dist, fidelity, preemption, recipe, stops, telemetry
 from experiments.app.build import AppError, ConfigError, one_line, build_data, build_model, build_optimizer, build_precision
 from experiments.app.build import build_strategy, run_labels
 from experiments.app.config import RunConfig
@@ -96,14 +97,16 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
 
 def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overrides: list[str],
                       info: dist.DistInfo, precision: Any, choices: dict | None) -> dict:
-    """Check the directory holds this run (or none), load its checkpoint, then train."""
+    """Act on the directory's one resume decision (:meth:`RunDir.resume_plan`): refuse (its one-line
+    error), return the summary of a run already finished here, or build (from the checkpoint when
+    resuming) and train."""
     tcfg = run_cfg.train
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    state = rundir.resume_state(resolved, tcfg.resume)
-    if (last := rundir.finished_record(state, tcfg.resume, tcfg.steps)) is not None:  # re-running it changes nothing
-        say(f"{rundir.path} already {last.get('status')} at step {last.get('step', last.get('steps'))}")
-        return records.read_json(rundir.path / schema.SUMMARY_NAME)
+    plan = rundir.resume_plan(resolved, tcfg.resume, tcfg.steps).check()
+    if plan.action == "finished":  # re-running it changes nothing
+        say(f"{rundir.path} already {plan.status} at step {plan.step}")
+        return plan.summary
 
     prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     if tcfg.deterministic:
@@ -112,8 +115,8 @@ def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overr
         torch.set_num_threads(run_cfg.threads)
     try:
         names = run_labels(cfg, choices)
-        parts = _build(cfg, run_cfg, info, precision, state, rundir.path)
-        rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, state)
+        parts = _build(cfg, run_cfg, info, precision, plan.state, rundir.path)
+        rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, plan)
         rec.open(cfg.logger)
         return _train(run_cfg, parts, rec, names)
     finally:
