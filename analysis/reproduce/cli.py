@@ -10,7 +10,7 @@ with ``OMP_NUM_THREADS=1`` and ``WANDB_MODE`` offline unless set (:func:`train_e
 prints its own progress lines (:class:`experiments.app.progress.SweepProgress`, as ``make compare``);
 the runner adds one header line per claim and a closing line. A sweep that exits non-zero is
 reported and the other claims still run; the page says so. Re-running resumes: a run directory
-that holds a finished run returns at once (:meth:`experiments.app.rundir.RunDir.finished_record`), so
+that holds a finished run returns at once (:meth:`experiments.app.rundir.RunDir.resume_plan`), so
 only missing or unfinished runs train. ``--report-only`` rebuilds the page from ``<out>`` alone
 (:mod:`analysis.reproduce.page`), byte-identical when the runs are unchanged.
 """

@@ -1,19 +1,14 @@
 """The training loop: :func:`run`, from a composed config to a finished run directory.
 
-Shape (karpathy/nanoGPT ``train.py``): a typed config (:class:`experiments.app.config.RunConfig`), the
-objects it builds (:class:`Parts`), one function :func:`_train` whose body is the whole step, and a
-recorder (:class:`experiments.app.recorder.Recorder`) that owns the run record, the loggers, the
-counters and the checkpoints. Per step (the GradScaler recipe of seed 001/002):
-
-1. batch for ``(seed, step)``; forward under the precision's autocast; ``loss`` (reported);
-2. ``strategy.scale(loss * m)`` then ``backward()``, where ``m = regime.loss_multiplier`` (times
-   ``regime.spike_factor`` on ``regime.spike_steps``) — the stress that shrinks (or spikes) every
-   gradient flowing through the low-precision backward;
-3. ``strategy.unscale_(optimizer)``; then, when ``regime.rescale_grads``, the fp32 parameter
-   gradients are divided by ``loss_multiplier`` so the optimizer sees the true gradient and the
-   regime only changes what the low-precision backward had to represent (spikes stay spikes);
-4. optional clipping, ``strategy.step(optimizer)`` (skips on non-finite gradients),
-   ``strategy.update()``.
+Shape (karpathy/nanoGPT ``train.py``, torchtitan's ``Trainer``): a typed config
+(:class:`experiments.app.config.RunConfig`), the run directory's one resume decision
+(:meth:`experiments.app.rundir.RunDir.resume_plan`), the objects it builds
+(:class:`experiments.app.step.Parts`), the step read whole
+(:func:`experiments.app.step.train_step`: forward, scaled backward, ``unscale_``, the regime's
+rescaling, clipping, ``step``, ``update``), and the loop around it (:func:`_train`,
+:func:`_steps`): train lines, evaluations, stops and checkpoints, recorded by
+:class:`experiments.app.recorder.Recorder`, which owns the run record, the loggers, the counters
+and the checkpoints.
 
 Telemetry is read from the device only on logging steps (every ``train.log_every``). A divergence,
 a collapsed scale or a forward overflow stops the run as ``diverged`` or ``stalled``; an exception
@@ -30,28 +25,27 @@ import math
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.app import checkpoint as ckpt
-from experiments.doctor import diagnosis
-from experiments.app import distributed as dist, fidelity, preemption, recipe, records, stops, telemetry
 from experiments import schema
+from experiments.app import checkpoint as ckpt
+from experiments.app import distributed as dist, fidelity, preemption, recipe, stops, telemetry
 from experiments.app.build import AppError, ConfigError, one_line, build_data, build_model, build_optimizer, build_precision
 from experiments.app.build import build_strategy, run_labels
 from experiments.app.config import RunConfig
-from experiments.workloads.data import step_generator
-from experiments.workloads.precision import BoundaryHooks
 from experiments.app.recorder import Recorder, say
 from experiments.app.rundir import RunDir
+from experiments.app.step import BatchLoss, Parts, StepResult, train_step
+from experiments.doctor import diagnosis
+from experiments.workloads.precision import BoundaryHooks
 
-__all__ = ["run", "Parts", "BatchLoss"]
+__all__ = ["run"]
 
 
 def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.device, n_batches: int) -> dict:
@@ -71,39 +65,6 @@ def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.d
     eval_loss = total / max(count, 1)
     metric = eval_loss / math.log(2) if data.kind == "text" else correct / max(count, 1)
     return {"eval_loss": eval_loss, "eval_metric": metric}
-
-
-class BatchLoss:
-    """``loss_fn(model(x), y) * m`` of the current step's ``batch = {"x", "y", "m"}``: the loss the
-    scaled backward differentiates, for the fidelity probe; with ``hooks``, computed with the
-    boundary hooks off (no autocast, no fp8): the fp32 reference a strategy such as norm-ratio
-    compares with (``strategy.set_reference``)."""
-
-    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], hooks: BoundaryHooks | None = None) -> None:
-        self.model, self.batch, self.hooks = model, batch, hooks
-
-    def __call__(self) -> torch.Tensor:
-        if self.hooks is None:
-            return recipe.loss(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
-        with self.hooks.disabled():
-            return recipe.loss(self.model(self.batch["x"]), self.batch["y"]) * self.batch["m"]
-
-
-@dataclass
-class Parts:
-    """What a run trains with. ``model`` is ``raw_model`` wrapped for DDP (the same object on one
-    process); ``batch`` is the current step's inputs, targets and loss multiplier."""
-
-    data: Any
-    raw_model: torch.nn.Module
-    model: torch.nn.Module
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    strategy: Any
-    hooks: BoundaryHooks
-    clock: telemetry.OptimizerClock
-    lr_for: Callable[[int], float]
-    batch: dict[str, Any]
 
 
 def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), choices: dict | None = None) -> dict:
@@ -136,14 +97,16 @@ def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, 
 
 def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overrides: list[str],
                       info: dist.DistInfo, precision: Any, choices: dict | None) -> dict:
-    """Check the directory holds this run (or none), load its checkpoint, then train."""
+    """Act on the directory's one resume decision (:meth:`RunDir.resume_plan`): refuse (its one-line
+    error), return the summary of a run already finished here, or build (from the checkpoint when
+    resuming) and train."""
     tcfg = run_cfg.train
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    state = rundir.resume_state(resolved, tcfg.resume)
-    if (last := rundir.finished_record(state, tcfg.resume, tcfg.steps)) is not None:  # re-running it changes nothing
-        say(f"{rundir.path} already {last.get('status')} at step {last.get('step', last.get('steps'))}")
-        return records.read_json(rundir.path / schema.SUMMARY_NAME)
+    plan = rundir.resume_plan(resolved, tcfg.resume, tcfg.steps).check()
+    if plan.action == "finished":  # re-running it changes nothing
+        say(f"{rundir.path} already {plan.status} at step {plan.step}")
+        return plan.summary
 
     prev_det, prev_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     if tcfg.deterministic:
@@ -152,10 +115,10 @@ def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overr
         torch.set_num_threads(run_cfg.threads)
     try:
         names = run_labels(cfg, choices)
-        parts = _build(cfg, run_cfg, info, precision, state, rundir.path)
-        rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, state)
+        parts = _build(cfg, run_cfg, info, precision, plan.state, rundir.path)
+        rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, plan)
         rec.open(cfg.logger)
-        return _train(run_cfg, parts, rec, info, precision, names)
+        return _train(run_cfg, parts, rec, names)
     finally:
         torch.use_deterministic_algorithms(prev_det)
         torch.set_num_threads(prev_threads)
@@ -163,8 +126,8 @@ def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overr
 
 def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: Any, state: dict | None,
            out_dir: Path) -> Parts:
-    """Data, model, optimizer, strategy and boundary hooks, from ``state`` when resuming. Model
-    initialisation depends on the seed only; the dropout RNG is per rank."""
+    """Data, model, optimizer, strategy and boundary hooks, from the checkpoint ``state`` when
+    resuming. Model initialisation depends on the seed only; the dropout RNG is per rank."""
     data = build_data(cfg)
     dist.seed_everything(run_cfg.seed)
     raw_model = build_model(cfg, data).to(info.device)
@@ -197,129 +160,119 @@ def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: 
     batch: dict[str, Any] = {}
     if callable(getattr(strategy, "set_reference", None)):
         strategy.set_reference(BatchLoss(raw_model, batch, hooks), params)
-    return Parts(data, raw_model, model, params, optimizer, strategy, hooks, clock, lr_for, batch)
+    return Parts(data, raw_model, model, params, optimizer, strategy, hooks, clock, lr_for, batch, info, precision,
+                 fidelity.layer_of(raw_model))
 
 
-def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, info: dist.DistInfo, precision: Any,
-           names: dict[str, str]) -> dict:
-    """The steps from ``rec.start_step + 1`` to ``train.steps``, then the final evaluation, checkpoint,
-    diagnosis (a stalled or diverged run) and summary; the whole step is this function's loop body."""
-    tcfg, regime, device, seed = run_cfg.train, run_cfg.regime, info.device, run_cfg.seed
-    data, raw_model, model, params, optimizer = parts.data, parts.raw_model, parts.model, parts.params, parts.optimizer
-    strategy, hooks, clock, batch = parts.strategy, parts.hooks, parts.clock, parts.batch
-    fid_every = tcfg.fidelity_every if info.world_size == 1 else 0  # single process only
-    fid_layers = fidelity.layer_of(raw_model)
-    probe_loss = BatchLoss(raw_model, batch)  # the same loss as the scaled backward
-    status, error, exit_code = "running", None, 1
-    last_eval_step = -1
+
+
+@dataclass
+class _Position:
+    """Where the loop is: the step running (or last run), the last evaluated step, and how the run
+    ends (``running`` until a stop, then ``stops``' status and one-line error)."""
+
+    step: int
+    last_eval: int = -1
+    status: str = "running"
+    error: str | None = None
+
+
+def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str]) -> dict:
+    """The steps from ``rec.start_step + 1`` to ``train.steps`` (:func:`_steps`), then the final
+    evaluation and checkpoint; however the run ends, the one final summary (:func:`_finish`)."""
+    tcfg, info = run_cfg.train, parts.info
+    at = _Position(step=rec.start_step)
     show = tcfg.progress and info.is_main and sys.stderr.isatty()
     bar = tqdm(total=tcfg.steps, initial=rec.start_step, disable=not show, desc=names["strategy"], dynamic_ncols=True)
-    step = rec.start_step
     watch = preemption.RequeueWatch()
+    exit_code = 1
     try:
-        model.train()
-        for step in range(rec.start_step + 1, tcfg.steps + 1):
-            log_now = tcfg.log_step(step)
-            hooks.measure, hooks.hist = log_now, tcfg.histogram_step(step)
-            if log_now:
-                hooks.reset()
-            m = regime.multiplier(step)
-            x, y = dist.shard_batch(data.batch(tcfg.batch_size, step_generator(seed, step)), info)
-            batch.update(x=x.to(device), y=y.to(device), m=m)
-            recipe.set_lr(optimizer, parts.lr_for(step))
-            clock.reset()
-            rng = fidelity.capture_rng(device) if fid_every and step % fid_every == 0 else None
-            t0, hooks0 = time.perf_counter(), getattr(strategy, "hook_seconds", 0.0)  # attached rules' hooks
-            with precision.autocast_context(device):
-                logits = model(batch["x"])
-            loss = recipe.loss(logits, batch["y"])
-            try:
-                ts = time.perf_counter()
-                scaled = strategy.scale(loss * m if m != 1.0 else loss)
-                t_strat = time.perf_counter() - ts
-                scaled.backward()
-                ts = time.perf_counter()
-                strategy.unscale_(optimizer)
-                t_strat += time.perf_counter() - ts
-                own_stats = telemetry.param_grad_stats(params) if log_now else {}
-                probed = None if rng is None else fidelity.probe(raw_model, probe_loss, params, rng, fid_layers)
-                if regime.rescale_grads and regime.loss_multiplier != 1.0:
-                    torch._foreach_div_([p.grad for p in params if p.grad is not None], regime.loss_multiplier)
-                if tcfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
-                ts = time.perf_counter()
-                strategy.step(optimizer)
-                strategy.update()
-                t_strat += time.perf_counter() - ts - clock.elapsed + getattr(strategy, "hook_seconds", 0.0) - hooks0
-            except ValueError as exc:
-                if step > rec.start_step + 1:
-                    raise
-                # A strategy option that only shows at first use (e.g. a pattern matching nothing).
-                raise ConfigError(f"strategy: {one_line(exc)}") from None
-            optimizer.zero_grad(set_to_none=True)
-            step_time = time.perf_counter() - t0
-            if probed is not None:  # kept out of step time and strategy overhead
-                seconds = fidelity.seconds(probed)
-                step_time -= seconds
-                rec.fidelity(step, probed, seconds)
-            skipped = not clock.ran
-            rec.count(step, loss, skipped, step_time, t_strat)
-
-            if log_now:
-                row = rec.train_line(step, loss, skipped, strategy, own_stats, hooks.read(),
-                                     float(optimizer.param_groups[0]["lr"]), step_time, t_strat)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
-                if (stop := stops.logged_loss(row["loss"], step, rec.counters["skipped_steps"], tcfg.divergence_loss,
-                                              names["precision"], batch)) is not None:
-                    status, error = stop
-                    break
-            hooks.measure = False
-
-            if tcfg.eval_every and step % tcfg.eval_every == 0:
-                ev = _evaluate(model, data, precision, device, tcfg.eval_batches)
-                rec.eval_line(step, ev)
-                last_eval_step = step
-                if (stop := stops.eval_loss(ev["eval_loss"], step)) is not None:
-                    status, error = stop
-                    break
-            if tcfg.max_consecutive_skips and rec.counters["consecutive_skips"] >= tcfg.max_consecutive_skips:
-                status, error = stops.skipped_in_a_row(float(loss.detach()), step, tcfg.max_consecutive_skips,
-                                                       float(strategy.get_scale()), names["precision"], batch)
-                break  # (one read, at the stop)
-            if tcfg.checkpoint_step(step):
-                rec.checkpoint(step, "running", raw_model, optimizer, strategy)
-            bar.update(1)
-            if tcfg.kill_at_step is not None and step == tcfg.kill_at_step:
-                # Testing aid: die as a SIGKILL would, without any cleanup.
-                rec.close()
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        if status == "running":
-            if last_eval_step != step:
-                ev = _evaluate(model, data, precision, device, tcfg.eval_batches)
-                rec.eval_line(step, ev)
-                status, error = stops.eval_loss(ev["eval_loss"], step) or (status, error)
-            if status == "running":
-                status = "completed"
-        rec.checkpoint(step, status, raw_model, optimizer, strategy)
+        _steps(run_cfg, parts, rec, names, at, bar)
+        if at.status == "running":
+            if at.last_eval != at.step:
+                ev = _evaluate(parts.model, parts.data, parts.precision, info.device, tcfg.eval_batches)
+                rec.eval_line(at.step, ev)
+                at.status, at.error = stops.eval_loss(ev["eval_loss"], at.step) or (at.status, at.error)
+            if at.status == "running":
+                at.status = "completed"
+        rec.checkpoint(at.step, at.status, parts.raw_model, parts.optimizer, parts.strategy)
         exit_code = 0
     except BaseException as exc:
-        status, error = stops.exception(exc, watch.signal_name, step, rec.saved_at)
+        at.status, at.error = stops.exception(exc, watch.signal_name, at.step, rec.saved_at)
         raise
     finally:
-        # The one place the final summary is written (completed, diverged, stalled, requeued or failed).
         watch.close()
         bar.close()
-        rec.close()
-        hooks.remove()
-        if callable(getattr(strategy, "detach", None)):
-            strategy.detach()
-        # A stalled, diverged or scale-floor run: why, in diagnosis.json (never raises); its verdict
-        # ends the summary's one-line error and its cause is the summary's ``diagnosis``.
-        diag = diagnosis.diagnose_run(rec.rundir.path, raw_model, recipe.loss, batch, precision, strategy, parts.lr_for,
-                                      step, status, error) if info.is_main else None
-        summary = rec.summary(status, diagnosis.annotate(status, error, diag))
-        if diag is not None:
-            summary["diagnosis"] = diag.cause
-        rec.finish(summary, exit_code)
+        summary = _finish(parts, rec, at, exit_code)
+    return summary
+
+
+def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str], at: _Position, bar: tqdm) -> None:
+    """Each step (:func:`experiments.app.step.train_step`), then its records (fidelity, train and
+    eval lines, counters), the stops (ending the loop with ``at.status``), the checkpoint due and
+    the kill aid."""
+    tcfg, hooks = run_cfg.train, parts.hooks
+    fid_every = tcfg.fidelity_every if parts.info.world_size == 1 else 0  # single process only
+    parts.model.train()
+    for step in range(rec.start_step + 1, tcfg.steps + 1):
+        at.step = step
+        log_now = tcfg.log_step(step)
+        hooks.measure, hooks.hist = log_now, tcfg.histogram_step(step)
+        if log_now:
+            hooks.reset()
+        done = train_step(parts, run_cfg, step, measure=log_now, probe=bool(fid_every) and step % fid_every == 0,
+                          first=step == rec.start_step + 1)
+        if done.probed is not None:
+            rec.fidelity(step, done.probed, fidelity.seconds(done.probed))
+        rec.count(step, done.loss, done.skipped, done.step_time, done.strategy_time)
+        if log_now and (stop := _train_line(run_cfg, parts, rec, names, step, done, bar)) is not None:
+            at.status, at.error = stop
+            return
+        hooks.measure = False
+        if tcfg.eval_every and step % tcfg.eval_every == 0:
+            ev = _evaluate(parts.model, parts.data, parts.precision, parts.info.device, tcfg.eval_batches)
+            rec.eval_line(step, ev)
+            at.last_eval = step
+            if (stop := stops.eval_loss(ev["eval_loss"], step)) is not None:
+                at.status, at.error = stop
+                return
+        if tcfg.max_consecutive_skips and rec.counters["consecutive_skips"] >= tcfg.max_consecutive_skips:
+            at.status, at.error = stops.skipped_in_a_row(float(done.loss.detach()), step, tcfg.max_consecutive_skips,
+                                                         float(parts.strategy.get_scale()), names["precision"], parts.batch)
+            return  # (one read, at the stop)
+        if tcfg.checkpoint_step(step):
+            rec.checkpoint(step, "running", parts.raw_model, parts.optimizer, parts.strategy)
+        bar.update(1)
+        if tcfg.kill_at_step is not None and step == tcfg.kill_at_step:
+            # Testing aid: die as a SIGKILL would, without any cleanup.
+            rec.close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train_line(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str], step: int, done: StepResult,
+                bar: tqdm) -> stops.Stop | None:
+    """The train line of logging step ``step`` (the strategy's telemetry and the hooks' activation
+    statistics read here), and the stop its loss calls for."""
+    row = rec.train_line(step, done.loss, done.skipped, parts.strategy, done.grad_stats, parts.hooks.read(),
+                         float(parts.optimizer.param_groups[0]["lr"]), done.step_time, done.strategy_time)
+    bar.set_postfix(loss=f"{row['loss']:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
+    return stops.logged_loss(row["loss"], step, rec.counters["skipped_steps"], run_cfg.train.divergence_loss,
+                             names["precision"], parts.batch)
+
+
+def _finish(parts: Parts, rec: Recorder, at: _Position, exit_code: int) -> dict:
+    """The one place the final summary is written (completed, diverged, stalled, requeued or failed):
+    close the record and the hooks; a stalled, diverged or scale-floor run gets the doctor's
+    diagnosis (``diagnosis.json``, never raises), whose verdict ends the summary's one-line error
+    and whose cause is the summary's ``diagnosis``."""
+    rec.close()
+    parts.hooks.remove()
+    if callable(getattr(parts.strategy, "detach", None)):
+        parts.strategy.detach()
+    diag = diagnosis.diagnose_run(rec.rundir.path, parts.raw_model, recipe.loss, parts.batch, parts.precision,
+                                  parts.strategy, parts.lr_for, at.step, at.status, at.error) if parts.info.is_main else None
+    summary = rec.summary(at.status, diagnosis.annotate(at.status, at.error, diag))
+    if diag is not None:
+        summary["diagnosis"] = diag.cause
+    rec.finish(summary, exit_code)
     return summary

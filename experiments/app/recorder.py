@@ -28,7 +28,7 @@ from experiments import schema
 from experiments.app.build import instantiate_loggers
 from experiments.app.config import RunConfig
 from experiments.app.loggers import RunInfo
-from experiments.app.rundir import RunDir
+from experiments.app.rundir import ResumePlan, RunDir
 
 __all__ = ["Recorder", "LossWindow", "say"]
 
@@ -67,14 +67,15 @@ class Recorder:
     """The run's records, loggers, counters and checkpoints (see the module docstring)."""
 
     def __init__(self, run: RunConfig, rundir: RunDir, resolved: dict, overrides: list[str],
-                 names: dict[str, str], device: torch.device, main: bool, state: dict | None) -> None:
+                 names: dict[str, str], device: torch.device, main: bool, plan: ResumePlan) -> None:
         self.run, self.rundir, self.resolved, self.names, self.main = run, rundir, resolved, names, main
         self.metrics_path, self.summary_path = rundir.path / schema.METRICS_NAME, rundir.path / schema.SUMMARY_NAME
         self.head = {**names, "seed": run.seed, "sweep": run.sweep}
         self.fingerprint = records.fingerprint(resolved, overrides, str(device))
         self.counters: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "consecutive_skips": 0, "timed_steps": 0,
                                          "step_time_sum": 0.0, "strategy_time_sum": 0.0}
-        self.start_step, self.resumed = 0, state is not None
+        state, self.replaces = plan.state, plan.replaces  # the checkpoint when resuming; why records move aside
+        self.start_step = 0
         if state is not None:
             self.counters.update(state["counters"])
             self.start_step = int(state["step"])
@@ -84,14 +85,13 @@ class Recorder:
         self.loggers: list = []
 
     def open(self, logger_cfg: DictConfig) -> None:
-        """Rank 0: set the directory up for this start or resume, start the loggers, write the
-        ``running`` summary and open ``metrics.jsonl``."""
+        """Rank 0: set the directory up for this start or resume (as its :class:`ResumePlan` says),
+        start the loggers, write the ``running`` summary and open ``metrics.jsonl``."""
         if not self.main:
             return
         out_dir, names = self.rundir.path, self.names
-        if not self.resumed and self.rundir.has_record():  # nothing a new start would overwrite is lost
-            why = "train.resume=false" if not self.run.train.resume else "no checkpoint to resume from"
-            say(f"{why}: {out_dir} starts at step 0; its earlier records are now in {self.rundir.move_aside()}")
+        if self.replaces is not None:  # nothing a new start would overwrite is lost
+            say(f"{self.replaces}: {out_dir} starts at step 0; its earlier records are now in {self.rundir.move_aside()}")
         later, malformed = records.truncate_metrics(self.metrics_path, self.start_step)
         if later or malformed:
             say(f"resuming {out_dir} at step {self.start_step}: dropped {later} line(s) of {schema.METRICS_NAME} "

@@ -27,6 +27,7 @@ import torch
 from experiments import schema
 
 __all__ = [
+    "GIT_SAFE",
     "MetricsWriter",
     "check",
     "read_json",

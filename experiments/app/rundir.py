@@ -1,5 +1,9 @@
 """A run directory's guarantees: one writer at a time, resume only the run it recorded, nothing lost.
 
+What a run does with its directory is decided once, by :meth:`RunDir.resume_plan`, as one value
+(:class:`ResumePlan`): start at step 0, resume from the checkpoint's step, leave a finished run
+alone (its summary is the result), or refuse with one line. The guarantees it keeps:
+
 * **One writer.** :meth:`RunDir.lock` takes ``flock(LOCK_EX | LOCK_NB)`` on ``run.lock`` for the
   run's lifetime; a second process (or a second run in the same process) fails at once with one
   line. The kernel drops the lock on any exit, a ``SIGKILL`` included.
@@ -13,14 +17,17 @@
   false``, or no checkpoint to resume from: ``train.checkpoint_every=0``, a deleted checkpoint)
   first moves the earlier records to ``replaced-<n>/`` (each renamed ``<name>.old``, so no reader
   takes them for a run).
+* **Finished stays finished.** A run that diverged, stalled, or completed at ``train.steps`` or
+  beyond (:func:`finished`, read from the checkpoint, else the summary) is left alone when re-run.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from experiments.app import checkpoint as ckpt
 from experiments.app import recipe
@@ -28,7 +35,7 @@ from experiments import schema
 from experiments.app.build import AppError, ConfigError
 from experiments.app.records import read_json, redact
 
-__all__ = ["NOT_IDENTITY", "RunDir", "check_schedule", "config_diff", "finished", "identity"]
+__all__ = ["NOT_IDENTITY", "ResumePlan", "RunDir", "check_schedule", "config_diff", "finished", "identity"]
 
 NOT_IDENTITY = ("train.steps", "train.resume", "train.kill_at_step", "train.progress", "threads", "logger", "tags")
 """Config keys (and their sub-keys) a resumed run may change: how long, how it is shown and
@@ -111,6 +118,35 @@ def check_schedule(old: dict, new: dict, done: int, where: Path) -> None:
             )
 
 
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a run does with its directory (:meth:`RunDir.resume_plan`), one of:
+
+    * ``start``: train from step 0; ``replaces`` says why, when the directory holds earlier records
+      that are moved to ``replaced-<n>/`` first (``train.resume=false``, no checkpoint to resume from);
+    * ``resume``: continue from the checkpoint ``state`` after its step ``step``;
+    * ``finished``: the run here needs no more training; ``status`` and ``step`` are its latest
+      record's, ``summary`` its ``summary.json``, the result of re-running it;
+    * ``refuse``: nothing may run here; ``refusal`` is the one-line error (``ConfigError``: another
+      run or a schedule the new ``train.steps`` cannot follow; ``AppError``: an unreadable
+      checkpoint, a record without a configuration).
+    """
+
+    action: Literal["start", "resume", "finished", "refuse"]
+    step: Any = 0
+    state: dict | None = None
+    status: str | None = None
+    summary: dict | None = None
+    replaces: str | None = None
+    refusal: AppError | None = None
+
+    def check(self) -> ResumePlan:
+        """This plan, unless it refuses: then its one-line error is raised."""
+        if self.refusal is not None:
+            raise self.refusal
+        return self
+
+
 class RunDir:
     """The run directory ``path`` as one process (rank 0) writes it."""
 
@@ -180,33 +216,41 @@ class RunDir:
         config = fp.get("config") if isinstance(fp, dict) else None
         return config if isinstance(config, dict) else None
 
-    def resume_state(self, config: dict, resume: bool) -> dict | None:
-        """The checkpoint to resume from (``None``: start at step 0), once the directory is known to
-        hold this run and, unless that run is finished, :func:`check_schedule` accepts a changed
-        ``train.steps``. ``AppError``: an unreadable checkpoint; ``ConfigError``: another run, or
-        a ``train.steps`` the learning-rate schedule cannot follow."""
+    def resume_plan(self, config: dict, resume: bool, steps: int) -> ResumePlan:
+        """The one decision of what a run of ``config`` (``train.resume=resume``, ``train.steps=steps``)
+        does here (:class:`ResumePlan`). With ``resume``: the checkpoint must load, the directory
+        must hold this run or none (:meth:`_check_same_run`); a finished run (its checkpoint, else its
+        summary: ``train.checkpoint_every=0``) is left alone; otherwise a checkpoint is resumed once
+        :func:`check_schedule` accepts a changed ``train.steps``, and without one the run starts over."""
         if not resume:
+            return ResumePlan("start", replaces="train.resume=false" if self.has_record() else None)
+        try:
+            state = self._checkpoint()
+            self._check_same_run(config, state)
+        except AppError as exc:  # ConfigError included
+            return ResumePlan("refuse", refusal=exc)
+        last = state if state is not None else read_json(self.path / schema.SUMMARY_NAME)
+        if finished(last, steps):
+            return ResumePlan("finished", step=last.get("step", last.get("steps")), status=last.get("status"),
+                              summary=read_json(self.path / schema.SUMMARY_NAME))
+        if state is None:
+            return ResumePlan("start", replaces="no checkpoint to resume from" if self.has_record() else None)
+        try:
+            check_schedule(self.recorded_config(state) or {}, config, int(state["step"]), self.path)
+        except ConfigError as exc:
+            return ResumePlan("refuse", refusal=exc)
+        return ResumePlan("resume", step=int(state["step"]), state=state)
+
+    def _checkpoint(self) -> dict | None:
+        """The directory's checkpoint (``None`` when there is none); ``AppError`` when it is unusable."""
+        if not (self.path / schema.CHECKPOINT_NAME).exists():
             return None
-        state = None
-        if (self.path / schema.CHECKPOINT_NAME).exists():
-            try:
-                state = ckpt.load(self.path / schema.CHECKPOINT_NAME)
-            except ckpt.CheckpointError as exc:
-                raise AppError(str(exc)) from None
-        self.check_same_run(config, state)
-        recorded = self.recorded_config(state) if state is not None else None
-        steps = int((config.get("train") or {}).get("steps", 0))
-        if state is not None and recorded is not None and not finished(state, steps):
-            check_schedule(recorded, config, int(state["step"]), self.path)
-        return state
+        try:
+            return ckpt.load(self.path / schema.CHECKPOINT_NAME)
+        except ckpt.CheckpointError as exc:
+            raise AppError(str(exc)) from None
 
-    def finished_record(self, state: dict | None, resume: bool, steps: int) -> dict | None:
-        """The latest record (checkpoint ``state``, else the summary: ``train.checkpoint_every=0``)
-        of a run here that :func:`finished` for ``steps`` steps, else ``None``."""
-        last = state if state is not None else read_json(self.path / schema.SUMMARY_NAME) if resume else {}
-        return last if finished(last, steps) else None
-
-    def check_same_run(self, config: dict, checkpoint: dict | None) -> None:
+    def _check_same_run(self, config: dict, checkpoint: dict | None) -> None:
         """Refuse (one line) a directory holding a record of another configuration, or of an unknown one."""
         if not self.has_record():
             return

@@ -13,7 +13,7 @@ Each function returns ``(status, error)`` when the run must stop, else ``None`` 
   no step was ever applied (every step skipped: the weights are the initial ones) is the same
   forward overflow, not a divergence. When that step's inputs themselves hold NaN/Inf, the
   error says **non-finite inputs** instead: the data, not the forward's range, is at fault.
-* **requeued**: the job was stopped by its preemption signal and requeued (``experiments/
+* **requeued**: the job was stopped by its preemption signal and requeued (``experiments/app/
   preemption.py``); it resumes from its last checkpoint.
 """
 
@@ -26,9 +26,10 @@ import torch
 
 from experiments.app.build import one_line
 
-__all__ = ["eval_loss", "exception", "forward_overflow", "logged_loss", "skipped_in_a_row"]
+__all__ = ["Stop", "eval_loss", "exception", "forward_overflow", "inputs_finite", "logged_loss", "skipped_in_a_row"]
 
 Stop = tuple[str, str]
+"""``(status, one-line error)`` of a run that must stop."""
 
 
 def inputs_finite(batch: Mapping[str, Any] | None) -> bool:

@@ -218,7 +218,7 @@ def preflight(args: list[str]) -> str | None:
         # Before Hydra rewrites .hydra/ of a run in progress or of another run (run() checks again).
         rundir = RunDir(run_dir.resolve())
         rundir.check_free()
-        rundir.resume_state(OmegaConf.to_container(cfg, resolve=True), cfg.train.resume)  # type: ignore[arg-type]
+        rundir.resume_plan(OmegaConf.to_container(cfg, resolve=True), cfg.train.resume, cfg.train.steps).check()  # type: ignore[arg-type]
     except AppError as exc:  # ConfigError included
         return str(exc)
     return None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from experiments.app import checkpoint, records
 
@@ -88,6 +89,36 @@ def test_a_record_without_a_configuration_is_not_resumed(tmp_path: Path) -> None
     with pytest.raises(AppError, match="holds a record without a readable configuration; .*train.resume=false"):
         run_tiny(tmp_path, *SHORT)
     assert (tmp_path / schema.METRICS_NAME).read_text() == '{"kind": "train", "step": 5}\n'
+
+
+def _config(*overrides: str) -> dict:
+    """The resolved config a run of these overrides records (as ``loop.run`` resolves it)."""
+    config = OmegaConf.to_container(compose_cfg(*TINY["mlp"], *QUIET, *overrides), resolve=True)
+    assert isinstance(config, dict)
+    return config
+
+
+def test_what_a_run_does_with_its_directory_is_one_decision(tmp_path: Path) -> None:
+    """``RunDir.resume_plan``: start, resume, finished or refuse, as one value; deciding writes nothing."""
+    here = RunDir(tmp_path)
+    assert here.resume_plan(_config(*SHORT), True, 10) == here.resume_plan(_config(*SHORT), True, 10)
+    assert here.resume_plan(_config(*SHORT), True, 10).action == "start"
+    first, _ = run_tiny(tmp_path, *SHORT)
+    before = _files(tmp_path)
+    done = here.resume_plan(_config(*SHORT), True, 10)
+    assert (done.action, done.status, done.step, done.summary) == ("finished", "completed", 10, json.loads(json.dumps(first)))
+    longer = here.resume_plan(_config(*SHORT[1:], "train.steps=15"), True, 15)
+    assert longer.action == "resume" and longer.step == 10 and longer.state is not None and longer.state["step"] == 10
+    other = here.resume_plan(_config(*SHORT, "seed=1"), True, 10)
+    assert other.action == "refuse" and isinstance(other.refusal, ConfigError) and "seed (0 -> 1)" in str(other.refusal)
+    with pytest.raises(ConfigError, match="holds another run"):
+        other.check()
+    over = here.resume_plan(_config(*SHORT, "seed=1"), False, 10)
+    assert (over.action, over.replaces, over.state) == ("start", "train.resume=false", None)
+    assert _files(tmp_path) == before
+    (tmp_path / schema.CHECKPOINT_NAME).unlink()
+    gone = here.resume_plan(_config(*SHORT[1:], "train.steps=15"), True, 15)
+    assert (gone.action, gone.replaces) == ("start", "no checkpoint to resume from")
 
 
 # ----------------------------------------------------------------------------- case 2

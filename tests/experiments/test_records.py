@@ -82,7 +82,7 @@ def test_telemetry_is_flattened_generically() -> None:
 
 
 def test_the_loop_knows_no_strategy_by_name() -> None:
-    source = (EXPERIMENTS / "app" / "loop.py").read_text() + (EXPERIMENTS / "app" / "telemetry.py").read_text()
+    source = "".join((EXPERIMENTS / "app" / name).read_text() for name in ("loop.py", "step.py", "telemetry.py"))
     literals = set(re.findall(r"[\"']([A-Za-z_]+)[\"']", source))
     assert not literals & set(strategies.available())
     assert not literals & {"ema", "candidate", "probe_time_s", "group_names", "hysteresis_tracker"}
