@@ -248,6 +248,11 @@ def block_stats(q: BlockQuantized) -> dict[str, torch.Tensor]:
     * ``blocks``: the number of blocks (int64, 0-dim);
     * ``clipped_share``: blocks whose max element was saturated, ``scaled_amax > elem_max``
       (finite amax and a nonzero scale), over all blocks;
+    * ``clip_error_share``: the clipped blocks whose max element saturation changed, i.e. that
+      would round (nearest-even, on the grid continued past the max) above ``elem_max``: E2M1
+      from 7 up, E4M3 above 464, E5M2 from 61440 up. A max element in ``(6, 7)`` is saturated
+      but lands on 6 either way; NVFP4's rounded E4M3 block scale saturates about half of the
+      blocks that way (``scaled_amax <= 6 * 17/16``) with no clip error;
     * ``flushed_share``: nonzero elements dequantised to zero, over the nonzero elements (0 when
       there are none);
     * ``zero_scale_share``: blocks whose stored scale is 0 (NVFP4: the E4M3 block scale
@@ -259,7 +264,9 @@ def block_stats(q: BlockQuantized) -> dict[str, torch.Tensor]:
     s = q.scales
     n = torch.tensor(s.numel(), device=s.device)
     finite = torch.isfinite(q.amax)
-    clipped = (q.scaled_amax > q.recipe.element.max) & finite & (s > 0)
+    elem = q.recipe.element
+    clipped = (q.scaled_amax > elem.max) & finite & (s > 0)
+    clip_error = clipped & (round_nearest(q.scaled_amax, elem) > elem.max)
     ok = torch.isfinite(s) & (s > 0)
     _, e = torch.frexp(s)
     idx = torch.where(ok, torch.clamp(e.long() - 1 - SCALE_EXP_MIN, 0, SCALE_EXP_MAX - SCALE_EXP_MIN), 0)
@@ -269,6 +276,7 @@ def block_stats(q: BlockQuantized) -> dict[str, torch.Tensor]:
     return {
         "blocks": n,
         "clipped_share": clipped.sum() / n,
+        "clip_error_share": clip_error.sum() / n,
         "flushed_share": q.flushed.sum(dtype=torch.int64) / nonzero.clamp(min=1),
         "zero_scale_share": (s == 0).sum() / n,
         "nonfinite_share": (~finite).sum() / n,

@@ -81,6 +81,11 @@ def test_floor_never_rounds_the_scale_up_and_clips_exactly_the_large_mantissas(e
         m, _ = torch.frexp(q.amax)
         clips = (2 * m > e.max / 2.0**e.max_pow2) & normal
         assert torch.equal((q.scaled_amax > e.max)[normal], clips[normal]), name
+        midpoint, tie_up = {"e2m1": (7.0, True), "e4m3": (464.0, False), "e5m2": (61440.0, True)}[elem]
+        error = (q.scaled_amax > midpoint) | ((q.scaled_amax == midpoint) & tie_up)
+        stats = block_stats(q)
+        assert float(stats["clip_error_share"]) == pytest.approx(float((error & normal).sum()) / q.amax.numel(), abs=1e-7)
+        assert float(stats["clipped_share"]) == pytest.approx(float(clips.sum()) / q.amax.numel(), abs=1e-7)
         for mode in ("ceil", "even"):
             assert bool((quantize(x, MX(elem=elem, scale_rounding=mode)).scales >= q.scales).all()), (name, mode)
 
@@ -187,6 +192,7 @@ def test_block_stats() -> None:
     q = quantize(x, MX())
     s = block_stats(q)
     assert float(s["blocks"]) == 8 and float(s["clipped_share"]) == 1 / 8 and float(s["nonfinite_share"]) == 1 / 8
+    assert float(s["clip_error_share"]) == 1 / 8  # 1.9 * 256 = 486.4 rounds to 480 > 448
     assert float(s["flushed_share"]) == pytest.approx(31 / float(q.nonzero.sum()), rel=1e-6)
     hist = s["scale_exp_hist"]
     assert int(hist.sum()) == 7 and int(hist[-8 - SCALE_EXP_MIN]) == 6 and int(hist[-127 - SCALE_EXP_MIN]) == 1
