@@ -199,6 +199,10 @@ class NVFP4(Recipe):
     signs (``get_wgrad_sign_vector`` in ``reference_nvfp4.py``), an integer draws 16 signs from
     ``torch.Generator().manual_seed(rht_seed)``.
 
+    torchao's ``nvfp4_quantize`` agrees where ``s_b >= 2^-6`` but clamps ``s_b`` to 2^-6 (the
+    smallest normal E4M3) where TE keeps E4M3 subnormals and 0 (a flushed block), and computes the
+    encode multiplier as ``(1 / (A / 2688)) / s_b``, an fp32 ulp off TE's at times.
+
     Defaults: the plain cast (1-D, nearest, no RHT); TE applies 2-D tiles to weights, stochastic
     rounding to gradients and RHT to the column-wise (wgrad) copies of inputs and gradients:
     :data:`NVFP4_TE_ROLES`. Megatron-LM: ``--fp4-recipe nvfp4``.

@@ -9,6 +9,8 @@ it this module is skipped. One documented difference: torchao's eager ``RCEIL`` 
 ``ceil(torch.log2(amax / max))`` in fp32, which misses the ceiling when ``amax / max`` lies a few
 ulp above a power of two; strategies.blocks computes it exactly (cuBLAS, TE). Those blocks are
 excluded from the comparison and pinned by :func:`test_rceil_differs_from_torchao_only_by_its_log2`.
+NVFP4 follows TE, not torchao's ``nvfp4_quantize``; where the two agree and where not is pinned by
+:func:`test_nvfp4_agrees_with_torchao_where_the_block_scale_is_normal`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor",
 kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels", reason="torchao is not installed")
 
 from strategies.block_math import exponent_field  # noqa: E402
-from strategies.block_recipes import ELEMENTS, MX  # noqa: E402
+from strategies.block_recipes import ELEMENTS, MX, NVFP4  # noqa: E402
 from strategies.blocks import quantize  # noqa: E402
 from tests.strategies.block_cases import all_inputs, assert_same_bits  # noqa: E402
 
@@ -107,3 +109,26 @@ def test_rceil_differs_from_torchao_only_by_its_log2(elem) -> None:
     same = ~bad
     assert_same_bits(q.dequantized[same], ref["dequantized"][same], "dequantized elsewhere")
     assert bool((exponent_field(q.scales[:, 0]) == exponent_field(amax / fmax) + 1).all())
+
+
+@pytest.mark.parametrize("case", sorted(INPUTS))
+def test_nvfp4_agrees_with_torchao_where_the_block_scale_is_normal(case) -> None:
+    """torchao's ``nvfp4_quantize`` (per-tensor scale ``amax / (448 * 6)``) gives TE's block
+    scales and values wherever TE's E4M3 block scale is normal (>= 2^-6); below, torchao clamps
+    the block scale to 2^-6 (``E4M3_EPS``, the smallest *normal* E4M3) where TE keeps E4M3
+    subnormals and zero. TE's rule is the one strategies.blocks follows (test_blocks_te.py).
+    The encode multipliers differ too (torchao ``(1 / (A / 2688)) / s_b``, TE ``1 / (s_b * (1 /
+    (2688 / A)))``) by an fp32 ulp at times, which flips the rounding of exact ties: the
+    power-of-two input ``exact_maxima`` has them (checked there: scales only)."""
+    nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor", reason="torchao is not installed")
+    x = INPUTS[case]
+    if x.shape[-1] % 16 or not bool(torch.isfinite(x).all()) or not bool(x.any()):
+        pytest.skip("torchao needs whole blocks and a finite, nonzero amax")
+    q = quantize(x, NVFP4())
+    scale, data = nv.nvfp4_quantize(x.contiguous(), 16, nv.per_tensor_amax_to_scale(x.abs().amax()))
+    values = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(data.view(torch.uint8))).reshape(q.values.shape)
+    normal = q.scales >= 2.0**-6
+    assert_same_bits(q.scales[normal], scale.float()[normal], "block scales")
+    each = normal.repeat_interleave(16, -1) & (case != "exact_maxima")
+    assert_same_bits(q.values[each], values[each], "values")
+    assert bool((scale.float()[~normal] == 2.0**-6).all())
