@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor",
-                         reason="torchao is an optional test dependency (pip install -e '.[dev]': torchao==0.18.0)")
-kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels", reason="torchao is not installed")
+NO_TORCHAO = "torchao is an optional test dependency (pip install -e '.[dev]': torchao==0.18.0) and does not import"
+mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor", reason=NO_TORCHAO, exc_type=ImportError)
+kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels", reason=NO_TORCHAO, exc_type=ImportError)
 
 from strategies.block_math import exponent_field  # noqa: E402
 from strategies.block_recipes import ELEMENTS, MX, NVFP4  # noqa: E402
@@ -120,7 +120,7 @@ def test_nvfp4_agrees_with_torchao_where_the_block_scale_is_normal(case) -> None
     The encode multipliers differ too (torchao ``(1 / (A / 2688)) / s_b``, TE ``1 / (s_b * (1 /
     (2688 / A)))``) by an fp32 ulp at times, which flips the rounding of exact ties: the
     power-of-two input ``exact_maxima`` has them (checked there: scales only)."""
-    nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor", reason="torchao is not installed")
+    nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor", reason=NO_TORCHAO, exc_type=ImportError)
     x = INPUTS[case]
     if x.shape[-1] % 16 or not bool(torch.isfinite(x).all()) or not bool(x.any()):
         pytest.skip("torchao needs whole blocks and a finite, nonzero amax")
