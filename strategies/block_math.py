@@ -24,7 +24,6 @@ __all__ = [
     "TE_RHT_SIGNS",
     "e8m0_exponent",
     "exponent_field",
-    "hadamard16",
     "rht",
     "rht_inverse",
     "rht_signs",
@@ -103,14 +102,6 @@ def e8m0_exponent(amax: torch.Tensor, elem: Element, mode: str) -> torch.Tensor:
         e = e + ((a.contiguous().view(torch.int32) & 0x7FFFFF) > 0).to(torch.int32)
     biased = torch.clamp(e - elem.max_pow2, -127, 128) + 127
     return torch.where(nan, 255, biased)
-
-
-def hadamard16(device: torch.device | str | None = None) -> torch.Tensor:
-    """The 16 x 16 Sylvester Hadamard matrix ``H_16`` (entries +-1, ``H H^T = 16 I``), fp32."""
-    h = torch.ones(1, 1, device=device)
-    while h.shape[0] < 16:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
 
 
 def rht_signs(seed: int | None, device: torch.device | str | None = None) -> torch.Tensor:
