@@ -34,6 +34,8 @@ from strategies.state import (RuleState, ScaleFloorError, State, base_state, fro
                               record_step_, telemetry_of, to_state_dict)
 from strategies.stats import GradStats, all_reduce_, gather
 
+__all__ = ["Strategy"]
+
 
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}, "stats": None}

@@ -14,6 +14,8 @@ import torch
 
 from strategies import validation as v
 
+__all__ = ["GradScalerAccessors"]
+
 
 class GradScalerAccessors:
     """Mixed into :class:`strategies.base.Strategy` before ``torch.amp.GradScaler``; reads

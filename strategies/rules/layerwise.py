@@ -87,6 +87,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["LayerwiseParams", "LayerwiseStrategy", "RULES", "layerwise_update_"]
+
 RULES = ("max_ema", "backoff_growth", "adaloss")
 """Per-group rules. ``adaloss`` (strategies/rules/adaloss.py) updates through its own op, ``adaloss_step_``
 (CPU twin and CUDA kernel, ``cuda/include/rules/adaloss.h``); the other two through

@@ -44,6 +44,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import E_BINS, E_LO, GradStats, exponent_histogram
 
+__all__ = ["UnderflowTargetParams", "UnderflowTargetStrategy", "underflow_target_update_"]
+
 def underflow_target_update_(
     scale: torch.Tensor,
     exp_hist: torch.Tensor,
