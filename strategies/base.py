@@ -2,7 +2,8 @@
 
 A strategy is used exactly like GradScaler (``torch/amp/grad_scaler.py``): ``scale(loss)``,
 ``backward()``, optional ``unscale_(optimizer)``, ``step(optimizer)``, ``update()``. A rule is
-three declarations and one function (see :class:`Strategy` for the list): its hyper-parameters (``Params``, a validated dataclass, :mod:`strategies.params`), its device state
+three declarations and one function (see :class:`Strategy` for the list): its hyper-parameters
+(``Params``, a validated dataclass, :mod:`strategies.params`), its device state
 (``state_spec``, :mod:`strategies.state`) and ``update_``, which runs the rule's in-place update
 function (or its kernel) with :meth:`Strategy.run_update`, binding its arguments by name from the
 state and params (:mod:`strategies.binding`). From those the base class derives lazy

@@ -158,7 +158,8 @@ class GroupLinks:
 
     def ends(self, trace: Trace, i: int) -> tuple[int, int, Links]:
         """``(a, b, links)``: the group of call i, the group whose scale its output's gradient
-        arrives at, and the trace's :class:`Links`. Raises ``RuntimeError`` when no consumer was recorded (an op the boundaries did not see)."""
+        arrives at, and the trace's :class:`Links`. Raises ``RuntimeError`` when no consumer was
+        recorded (an op the boundaries did not see)."""
         a = self.group_of(trace, i)
         links = trace.data.get(self)
         b = None if links is None else links.consumer.get(i)

@@ -32,8 +32,8 @@ from strategies.formats import FP16_MIN_NORMAL
 
 __all__ = [
     "E_BINS", "E_LO", "GradStats", "all_reduce_", "bin_counts", "count_fraction", "count_fraction_reference",
-    "distributed_mode", "exponent_histogram", "fold_histogram", "gather", "grads_by_device", "mean_over_ranks_", "unscale_and_check",
-    "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
+    "distributed_mode", "exponent_histogram", "fold_histogram", "gather", "grads_by_device", "mean_over_ranks_",
+    "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
 ]
 
 
