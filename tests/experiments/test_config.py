@@ -204,7 +204,7 @@ def test_records_name_the_strategy_option_chosen_not_the_rule_it_presets() -> No
     assert strategy_label(cfg) == "native"
     assert strategy_label(cfg, {"strategy": "megatron"}) == "megatron"
     assert strategy_label(compose_cfg("strategy=none"), {"strategy": "none"}) == "none"
-    assert strategy_label(compose_cfg("strategy=native", "+strategy.enabled=false"), {"strategy": "native"}) == "none"
+    assert strategy_label(compose_cfg("strategy=native", "strategy.enabled=false"), {"strategy": "native"}) == "none"
 
 
 def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
