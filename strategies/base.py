@@ -32,7 +32,9 @@ from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams, bind_arguments, sign_init, signature
 from strategies.state import RuleState, ScaleFloorError, State, base_state, raise_fault, record_step_, telemetry_of
-from strategies.stats import GradStats, distributed_mode, gather
+from strategies.gather import gather
+from strategies.sharding import distributed_mode
+from strategies.stats import GradStats
 
 __all__ = ["Strategy"]
 
@@ -240,7 +242,8 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             if isinstance(val, torch.Tensor):
                 if self.state is None:
                     self._lazy_init(val.device)
-                return val * self.output_scale().to(device=val.device, non_blocking=True)
+                scaled = val * self.output_scale().to(device=val.device, non_blocking=True)
+                return scaled.type(val.dtype) if self.params.distributed == "sharded" else scaled  # as ShardedGradScaler
             if isinstance(val, Iterable) and not isinstance(val, (str, bytes)):
                 iterable = map(apply, val)
                 return type(val)(iterable) if isinstance(val, (list, tuple)) else iterable
@@ -248,20 +251,19 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
         return self.after_scale(apply(outputs))
 
-    def _wants_stats(self) -> bool:
-        return self.needs_stats or self.params.track_stats
-
     def _distributed_mode(self) -> str | None:
-        """``"replicated"``/``"sharded"`` when statistics must be reduced across ranks, else None."""
+        """The ``distributed`` setting when a process group is up, else None (:mod:`strategies.sharding`)."""
         return distributed_mode(self.params.distributed)
 
     def _gather(self, optimizer: torch.optim.Optimizer, unscale: bool = True) -> None:
-        """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record
-        found_inf and the statistics (:func:`strategies.stats.gather`)."""
+        """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record found_inf
+        and the statistics (:func:`strategies.gather.gather`)."""
         state = self._check_initialized("unscale_")
-        found, stats = gather(optimizer, state.scale, unscale=unscale, with_stats=self._wants_stats(),
-                              group_index=self.group_index if self.per_group else None,
-                              num_groups=self.num_groups, mode=self._distributed_mode())
+        mode = self._distributed_mode()
+        found, stats = gather(optimizer, state.scale, unscale=unscale, mode=mode, who=self.name,
+                              with_stats=self.needs_stats or self.params.track_stats,
+                              group_index=self.group_index if self.per_group else None, num_groups=self.num_groups,
+                              allow_fp16=self.params.distributed == "sharded")
         self._per_optimizer_states[id(optimizer)].update(found_inf_per_device=found, stats=stats)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
