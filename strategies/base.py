@@ -32,6 +32,7 @@ from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams, bind_arguments, sign_init, signature
 from strategies.state import RuleState, ScaleFloorError, State, base_state, raise_fault, record_step_, telemetry_of
+from strategies.agreement import check_ranks_agree
 from strategies.gather import gather
 from strategies.sharding import distributed_mode
 from strategies.stats import GradStats
@@ -120,6 +121,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
         self._bound: dict[str, tuple[Any, ...]] = {}  # op -> run_update's cached binding.bind(...)
+        self._ranks_agree = False  # checked at the first gather under a process group (strategies.agreement)
 
     # ------------------------------------------------------------------ hooks (see class docstring)
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
@@ -201,6 +203,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self.state.scale.copy_(self._round(scale).expand_as(self.state.scale))
         self.state.growth_tracker.copy_(tracker.expand_as(self.state.growth_tracker))
         self._last_stats = None
+        self._ranks_agree = False
 
     def _round(self, scale: torch.Tensor) -> torch.Tensor:
         return round_down_pow2(scale) if self.pow2_scales else scale
@@ -257,9 +260,12 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
     def _gather(self, optimizer: torch.optim.Optimizer, unscale: bool = True) -> None:
         """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record found_inf
-        and the statistics (:func:`strategies.gather.gather`)."""
+        and the statistics (:func:`strategies.gather.gather`); first, under a process group, check once
+        that every rank holds the same scaler state (:func:`strategies.agreement.check_ranks_agree`)."""
         state = self._check_initialized("unscale_")
         mode = self._distributed_mode()
+        if mode is not None and not self._ranks_agree:
+            self._ranks_agree = check_ranks_agree(self)
         found, stats = gather(optimizer, state.scale, unscale=unscale, mode=mode, who=self.name,
                               with_stats=self.needs_stats or self.params.track_stats,
                               group_index=self.group_index if self.per_group else None, num_groups=self.num_groups,

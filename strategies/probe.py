@@ -139,6 +139,7 @@ class ReferenceProbe:
             v.fail("closure", "callable or None", closure)
         self._closure = closure
         self._ref_params = None if params is None else self._named(params)
+        self._ranks_agree = False  # every rank must probe alike: checked at the next step (strategies.agreement)
 
     def attach(self, model: torch.nn.Module) -> Any:
         """Remember ``model``'s named parameters as the default probed set (no hooks)."""
