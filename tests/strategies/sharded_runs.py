@@ -15,18 +15,15 @@ whole gradient.
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import strategies
 from tests.helpers import fp16_safe, mlp, strategy_cases
 
-__all__ = ["CASES", "INF_STEP", "NAN_STEP", "STEPS", "WORLD", "fsdp2_worker", "one_process", "run_steps"]
+__all__ = ["CASES", "INF_STEP", "NAN_STEP", "STEPS", "WORLD", "fsdp2_all", "one_process", "run_steps"]
 
 WORLD, STEPS, BATCH, HALF = 2, 6, 8, 4
 INF_STEP, NAN_STEP = 2, 4
@@ -119,14 +116,6 @@ def _fsdp2_run(name: str, kw: dict[str, Any], rank: int) -> list[dict] | str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def fsdp2_worker(rank: int, tmp: str) -> None:
-    os.environ["SCALELAB_TEST_RANK"] = str(rank)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
-    try:
-        out = {cid: _fsdp2_run(name, kw, rank) for cid, name, kw in CASES}
-        dist.barrier()
-        torch.save(out, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def fsdp2_all(rank: int) -> dict:
+    """Every case's FSDP2 run on this rank (run it with :func:`tests.strategies.gloo.run_ranks`)."""
+    return {cid: _fsdp2_run(name, kw, rank) for cid, name, kw in CASES}

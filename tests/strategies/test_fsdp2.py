@@ -10,14 +10,14 @@ injected Inf and NaN must skip the step on both ranks and back the scale off.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.helpers import FIXED_SCALE
-from tests.strategies.sharded_runs import CASES, INF_STEP, NAN_STEP, STEPS, WORLD, fsdp2_worker, one_process
+from tests.strategies.gloo import run_ranks
+from tests.strategies.sharded_runs import CASES, INF_STEP, NAN_STEP, STEPS, WORLD, fsdp2_all, one_process
 
 pytestmark = pytest.mark.distributed
 
@@ -28,9 +28,7 @@ CLOSE = ("grad_norm", "norm_ratio", "log_ratio_ema")  # sums of squares in anoth
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("fsdp2")
-    torch.multiprocessing.spawn(fsdp2_worker, args=(str(tmp),), nprocs=WORLD, join=True)
-    return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks(fsdp2_all, tmp_path_factory.mktemp("fsdp2"), WORLD, timeout_s=120.0)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

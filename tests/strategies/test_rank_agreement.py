@@ -13,21 +13,17 @@ run under :func:`tests.helpers.forbid_host_sync` on both ranks.
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import strategies
 from tests.helpers import batch, forbid_host_sync, mlp
+from tests.strategies.gloo import run_ranks
 
 pytestmark = pytest.mark.distributed
-WORLD = 2
 
 
 def _strategy(name: str, model: torch.nn.Module, current: dict) -> strategies.Strategy:
@@ -89,24 +85,14 @@ def _quiet(name: str, rank: int) -> str:
         s.detach()
 
 
-def _worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
-    try:
-        out = {(name, kind): run(name, rank) for name in strategies.available() for kind, run in
-               (("stale", _stale), ("quiet", _quiet))}
-        torch.save(out, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _all(rank: int) -> dict:
+    return {(name, kind): run(name, rank) for name in strategies.available() for kind, run in
+            (("stale", _stale), ("quiet", _quiet))}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("agreement")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.multiprocessing.spawn(_worker, args=(str(tmp),), nprocs=WORLD, join=True)
-    return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks(_all, tmp_path_factory.mktemp("agreement"), timeout_s=30.0)
 
 
 @pytest.mark.parametrize("name", strategies.available())
