@@ -31,7 +31,8 @@ def grads_by_device(
 
     Raises ``ValueError`` for an fp16 gradient unless ``allow_fp16``, as GradScaler does (fp16
     master gradients are unsafe to unscale; a fused optimizer that unscales them itself is fine,
-    and ``ShardedGradScaler`` takes them)."""
+    and ``ShardedGradScaler`` takes them). A sparse fp16 gradient is coalesced first, as torch does:
+    its duplicate indices may sum to an overflow."""
     params: Grads = defaultdict(list)
     grads: Grads = defaultdict(list)
     sharded: dict[torch.device, list[bool]] = defaultdict(list)
@@ -41,6 +42,8 @@ def grads_by_device(
                 continue
             if p.grad.dtype == torch.float16 and not allow_fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
+            if p.grad.is_sparse and p.grad.dtype == torch.float16:  # as torch: check the coalesced values
+                p.grad = p.grad.float().coalesce().half()  # (summed in fp32: fp16 has no CPU coalesce)
             g = local(p.grad)
             g = g._values() if g.is_sparse else g
             params[g.device].append(p)

@@ -38,7 +38,7 @@ from strategies.stats import GradStats
 
 __all__ = [
     "LAYOUTS", "ShardingError", "all_reduce_", "all_reduce_parts", "distributed_mode", "is_sharded_param",
-    "layout", "local", "max_over_ranks_", "mean_over_ranks_",
+    "layout", "local", "max_over_ranks_", "mean_over_ranks_", "refuse_flat_params",
 ]
 
 LAYOUTS = ("replicated", "sharded")
@@ -92,6 +92,17 @@ def is_sharded_param(param: torch.Tensor) -> bool:
         return False
     sharded, whole = getattr(param, "_sharded_size", None), getattr(param, "_unpadded_unsharded_size", None)
     return sharded is None or whole is None or sharded.numel() != whole.numel()
+
+
+def refuse_flat_params(model: torch.nn.Module, who: str) -> None:
+    """Raise :class:`ShardingError` when ``model`` holds FSDP1 flat parameters
+    (``use_orig_params=False``): one tensor per wrapped module, spanning its layers, so a rule that
+    scales or observes per layer cannot tell them apart."""
+    if any(hasattr(p, "_unpadded_unsharded_size") and getattr(p, "_fsdp_flattened", False)
+           for p in model.parameters()):
+        raise ShardingError(f"{who}: FSDP1 with use_orig_params=False trains flat parameters that span layers, so "
+                            "per-layer scaling cannot see the layers: wrap with FullyShardedDataParallel(..., "
+                            "use_orig_params=True) or fully_shard (FSDP2)")
 
 
 def layout(param: torch.Tensor, grad: torch.Tensor, setting: str, who: str) -> str:

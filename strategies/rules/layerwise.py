@@ -79,6 +79,7 @@ from strategies.registry import register_strategy
 from strategies.rules import adaloss
 from strategies.rules.max_ema import MaxEmaRule, max_ema_update_
 from strategies.rules.native import native_update_
+from strategies.sharding import refuse_flat_params
 from strategies.state import State
 from strategies.stats import GradStats
 
@@ -254,6 +255,7 @@ class LayerwiseStrategy(Strategy):
         self.detach()
         if not self.params.enabled:
             return self
+        refuse_flat_params(model, self.name)
         resolved, param_group = layer_groups.assign(model, self.params.groups)
         modules = [m for _, mods in resolved for m in mods]
         links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods})
