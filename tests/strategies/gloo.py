@@ -20,6 +20,7 @@ def _entry(rank: int, body: Callable[[int], Any], tmp: str, world: int, timeout_
     try:
         out = body(rank)
         torch.save(out, f"{tmp}/rank{rank}.pt")
+        dist.barrier()  # no rank leaves the group while another still talks to it
     finally:
         dist.destroy_process_group()
 
