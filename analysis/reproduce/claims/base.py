@@ -16,7 +16,7 @@ scalelab's estimate with its 95 % interval over paired seeds, and a verdict.
   ``±margin``: **reproduced**; it lies wholly outside: **not reproduced**; else
   **inconclusive**. The margin is the claim's, stated in its finding (equivalence needs one).
 * :func:`share` — a rate (e.g. the share of seeds that diverged) with its Clopper–Pearson
-  interval, compared with a threshold on the claimed side.
+  interval (:func:`analysis.stats.clopper_pearson`), compared with a threshold on the claimed side.
 
 Fewer than :data:`MIN_PAIRS` paired seeds: **inconclusive** whatever the numbers say.
 """
@@ -31,11 +31,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import yaml
-from scipy import stats as sps
 
 from analysis.load import MAX_OVERRIDES_BYTES, RecordError, load_runs, read_capped
 from analysis.runset import RunSet
-from analysis.stats import LEVEL, bootstrap_ci
+from analysis.stats import bootstrap_ci, clopper_pearson
 
 __all__ = ["Claim", "ClaimRuns", "Finding", "INCONCLUSIVE", "MIN_PAIRS", "NOT_REPRODUCED",
            "REPRODUCED", "VERDICTS", "direction", "load_claim_runs", "paired_values", "parity", "select_runs",
@@ -238,8 +237,7 @@ def share(measure: str, paper: str, hits: int, n: int, claimed: str, threshold: 
         raise ValueError(f"claimed must be 'above' or 'below', got {claimed!r}")
     if n == 0:
         return Finding(measure, paper, math.nan, math.nan, math.nan, 0, INCONCLUSIVE, note)
-    ci = sps.binomtest(int(hits), int(n)).proportion_ci(confidence_level=LEVEL, method="exact")
-    lo, hi = float(ci.low), float(ci.high)
+    lo, hi = clopper_pearson(hits, n)
     if n < MIN_PAIRS:
         verdict = INCONCLUSIVE
     elif (lo > threshold) if claimed == "above" else (hi < threshold):
