@@ -16,7 +16,7 @@ from typing import Sequence
 import pandas as pd
 
 from analysis.document import Document
-from analysis.runset import STATUSES
+from analysis.records import STATUSES
 from analysis.text import code
 from analysis.when import order_text, table_rows
 

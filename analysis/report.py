@@ -40,7 +40,7 @@ from analysis.bench import load_bench
 from analysis.document import Document
 from analysis.findings import findings_page
 from analysis.load import RunLoadError, RunSet, load_runs
-from analysis.runset import STATUSES
+from analysis.records import STATUSES
 from analysis.stats import N_BOOT, SEED
 from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
                              compare_to_baseline, compare_to_reference, rank_strategies,

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import PAIRED_COLUMNS, holm, paired_stats, reading
-from analysis.runset import STATUSES
+from analysis.records import STATUSES
 from analysis.stats import (LEVEL, N_BOOT, SEED, bootstrap_ci, iqm, mann_whitney,
                             prob_improvement, prob_improvement_ci, welch_test)
 

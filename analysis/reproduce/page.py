@@ -36,7 +36,7 @@ __all__ = ["ClaimResult", "NOT_RUN", "EVAL_ERROR", "RECORD_NAME", "build_page", 
 RECORD_NAME = "reproduce.json"
 #: Verdict-column words of a claim that has no findings (besides the three verdicts).
 NOT_RUN, EVAL_ERROR = "not run", "error"
-#: Failure statuses of a run (analysis/runset.py) that make a claim's runs incomplete.
+#: Failure statuses of a run (analysis/records.py) that make a claim's runs incomplete.
 _BAD_STATUSES = ("failed", "incomplete", "unknown")
 _MAX_WHY = 200
 
