@@ -19,6 +19,7 @@ from analysis.document import Document
 from analysis.records import STATUSES
 from analysis.text import code
 from analysis.when import order_text, table_rows
+from analysis.words import CLEARLY_BETTER
 
 __all__ = ["findings_page"]
 
@@ -50,9 +51,9 @@ def findings_page(runs: pd.DataFrame, when: pd.DataFrame, overall: str, command:
     else:
         cols, rows = table_rows(when)
         doc.table(cols, rows, caption=(
-            f"The metrics are read in this order: {order_text()}. Best = the strategy read clearly "
-            "better than `native` (paired by seed) on the earliest of them for which any strategy "
-            "is; Δ = strategy − baseline per seed, mean [95% CI]."))
+            f"The metrics are read in this order: {order_text()}. Best = the strategy read "
+            f"{CLEARLY_BETTER} than `native` (paired by seed) on the earliest of them for which any "
+            "strategy is; Δ = strategy − baseline per seed, mean [95% CI]."))
     for cols, rows, caption in cross:
         doc.h(1, "Across workloads")
         doc.table(cols, rows, caption=caption)

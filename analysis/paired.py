@@ -16,7 +16,8 @@ A diverged run (primary metric only) has no final value: a seed where one side d
 a loss for that side in ``P(better)`` and in the Wilcoxon ranks (as a difference larger than any
 finite one), and is left out of the mean difference and the t-test; other statuses are left out.
 
-**Reading** (:func:`reading`; the words of the report and of ``comparisons.csv``):
+**Reading** (:func:`reading`; the words of the report and of ``comparisons.csv``, defined in
+:mod:`analysis.words`):
 
 * **clearly better / clearly worse** — all three hold: (1) the paired t-test's p-value, Holm-
   adjusted over the strategies compared with the same baseline on the same workload, precision
@@ -43,14 +44,12 @@ import numpy as np
 from scipy import stats as sps
 
 from analysis.stats import LEVEL, N_BOOT, SEED, bootstrap_ci, clopper_pearson
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                            NOT_COMPARABLE, WORSE_FEW)
+
+__all__ = ["ALPHA", "PAIRED_COLUMNS", "holm", "min_wilcoxon_p", "paired_stats", "reading"]
 
 ALPHA = 0.05
-CLEARLY_BETTER, CLEARLY_WORSE = "clearly better", "clearly worse"
-BETTER_FEW = "better in these seeds, but too few seeds"
-WORSE_FEW = "worse in these seeds, but too few seeds"
-NO_DIFFERENCE = "no detectable difference"
-NOT_COMPARABLE = "not comparable"
-READINGS = (CLEARLY_BETTER, CLEARLY_WORSE, BETTER_FEW, WORSE_FEW, NO_DIFFERENCE, NOT_COMPARABLE)
 
 PAIRED_COLUMNS = ["n_pairs", "paired_diff", "paired_diff_lo", "paired_diff_hi", "paired_t_p",
                   "paired_t_p_holm", "wilcoxon_p", "p_better", "p_better_lo", "p_better_hi"]

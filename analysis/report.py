@@ -40,17 +40,20 @@ from analysis.bench import load_bench
 from analysis.document import Document
 from analysis.findings import findings_page
 from analysis.load import RunLoadError, RunSet, load_runs
+from analysis.metrics import (ACT_ZERO_FRAC, FINAL_EVAL_LOSS, METRICS, PRIMARY, SKIPPED_STEPS,
+                              STEPS_TO_TARGET, STRATEGY_OVERHEAD, metric)
 from analysis.records import STATUSES
 from analysis.stats import N_BOOT, SEED
-from analysis.tables import (BASELINE, METRICS, PRIMARY, REFERENCE_PRECISION,
-                             compare_to_baseline, compare_to_reference, rank_strategies,
+from analysis.tables import (BASELINE, compare_to_baseline, compare_to_reference, rank_strategies,
                              summarize)
-from analysis.text import code, fmt, fmt_ci, fmt_p, human, is_pct, pct, write_atomic, write_csv
+from analysis.targets import REFERENCE_PRECISION
+from analysis.text import code, fmt, fmt_ci, fmt_p, human, pct, write_atomic, write_csv
 from analysis.verdict import cell_verdict, overall_verdict, phrase
 from analysis.when import (CROSS_CAPTION, cross_rows, cross_verdict, cross_workload_table,
                            order_text, table_rows, which_strategy_when)
+from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE, TOO_FEW
 
-METRIC_BY_COL = {m.column: m for m in METRICS}
+LOSS = FINAL_EVAL_LOSS.label
 
 
 def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
@@ -58,9 +61,10 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
                            on=["workload", "precision", "strategy"], how="left")
     merged = merged.sort_values(["workload", "precision", "rank", f"{PRIMARY}_mean", "strategy"],
                                 na_position="last")
+    shown = (SKIPPED_STEPS, STRATEGY_OVERHEAD, ACT_ZERO_FRAC)
     cols = ["workload", "precision", "rank", "strategy", "runs ok/div/fail/inc",
-            "final eval loss mean [95% CI]", "IQM [95% CI]", "time to target (steps)",
-            "skipped steps", "strategy overhead", "act-grad zero frac"]
+            f"{LOSS} mean [95% CI]", "IQM [95% CI]",
+            f"{STEPS_TO_TARGET.label} ({STEPS_TO_TARGET.unit})", *(m.label for m in shown)]
     rows = []
     for _, r in merged.iterrows():
         c = PRIMARY
@@ -72,18 +76,15 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame) -> tuple[list[str]
             fmt_ci(r[f"{c}_mean"], r[f"{c}_mean_lo"], r[f"{c}_mean_hi"]),
             fmt_ci(r[f"{c}_iqm"], r[f"{c}_iqm_lo"], r[f"{c}_iqm_hi"]),
             _reached(r),
-            fmt_ci(r["skipped_steps_mean"], r["skipped_steps_mean_lo"], r["skipped_steps_mean_hi"]),
-            fmt_ci(r["strategy_overhead_frac_mean"], r["strategy_overhead_frac_mean_lo"],
-                   r["strategy_overhead_frac_mean_hi"], pct_=True),
-            fmt_ci(r["act_zero_frac_mean_mean"], r["act_zero_frac_mean_mean_lo"],
-                   r["act_zero_frac_mean_mean_hi"], pct_=True),
+            *(fmt_ci(r[f"{m.column}_mean"], r[f"{m.column}_mean_lo"], r[f"{m.column}_mean_hi"],
+                     pct_=m.pct) for m in shown),
         ])
     return cols, rows
 
 
 def _reached(r: pd.Series) -> str:
     """Mean time to target [95% CI] over the completed runs that reached it, and how many."""
-    c = "steps_to_target"
+    c = STEPS_TO_TARGET.column
     if f"{c}_n" not in r or not r["n_completed"]:
         return "–"
     return (f"{fmt_ci(r[f'{c}_mean'], r[f'{c}_mean_lo'], r[f'{c}_mean_hi'])}; reached in "
@@ -93,7 +94,7 @@ def _reached(r: pd.Series) -> str:
 PAIRED_CAPTION = (
     "Paired by seed (runs of one seed share init and data order): Δ = strategy − {b} per seed, "
     "mean with its 95% bootstrap CI (negative is better); P(lower) = fraction of seeds where "
-    "the strategy is lower, with a Clopper–Pearson CI; for the final eval loss a diverged run "
+    f"the strategy is lower, with a Clopper–Pearson CI; for the {LOSS} a diverged run "
     "loses to any finished one. Reading: see Method. Unpaired statistics: comparisons.csv.")
 
 
@@ -103,13 +104,12 @@ def _comparison_rows(comps: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
             "reading"]
     rows = []
     for _, r in comps.iterrows():
-        m = METRIC_BY_COL[r["metric"]].label if r["metric"] in METRIC_BY_COL else r["metric"]
-        f = (lambda v: pct(v, 2)) if is_pct(r["metric"]) else fmt  # noqa: E731
+        m = metric(r["metric"])
+        f = (lambda v: pct(v, 2)) if m.pct else fmt  # noqa: E731
         rows.append([
-            code(r["workload"]), code(r["precision"]), code(r["strategy"]), m,
+            code(r["workload"]), code(r["precision"]), code(r["strategy"]), m.label,
             f"{f(r['mean'])} ({f(r['base_mean'])})", str(int(r["n_pairs"])),
-            fmt_ci(r["paired_diff"], r["paired_diff_lo"], r["paired_diff_hi"],
-                   pct_=is_pct(r["metric"])),
+            fmt_ci(r["paired_diff"], r["paired_diff_lo"], r["paired_diff_hi"], pct_=m.pct),
             fmt_ci(r["p_better"], r["p_better_lo"], r["p_better_hi"], prob_=True),
             fmt_p(r["paired_t_p_holm"]), fmt_p(r["wilcoxon_p"]),
             phrase(r["reading"], f"`{r['baseline']}`"),
@@ -215,13 +215,13 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
         cols, rows = table_rows(when)
         doc.table(cols, rows, caption=(
             "Which strategy when (which_strategy_when.csv). The verdict reads the metrics in "
-            f"this order: {order_text()}. Best = the strategy read *clearly better* than "
+            f"this order: {order_text()}. Best = the strategy read *{CLEARLY_BETTER}* than "
             f"`{BASELINE}` (paired by seed) on the earliest of them for which any strategy is, "
-            "the largest mean paired gain among several; one read *clearly worse* on an earlier "
-            "metric is not counted. No best where none is clearly better: the row then says "
-            "what the paired readings say. Δ = strategy − baseline per seed, mean [95% CI]; "
-            "against fp32 it is the final-eval-loss gap to the fp32 run of the same seed. "
-            "Cells without `native` (controls) are compared with fp32 only."))
+            f"the largest mean paired gain among several; one read *{CLEARLY_WORSE}* on an "
+            f"earlier metric is not counted. No best where none is {CLEARLY_BETTER}: the row "
+            "then says what the paired readings say. Δ = strategy − baseline per seed, mean "
+            "[95% CI]; against fp32 it is the final-eval-loss gap to the fp32 run of the same "
+            "seed. Cells without `native` (controls) are compared with fp32 only."))
     cross_tables = []
     if not cross.empty:
         cols, rows = cross_rows(cross)
@@ -244,7 +244,7 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     cols, rows = _ranking_rows(summary, ranks)
     doc.table(cols, rows, caption=(
         "Per workload × precision × strategy, over seeds: mean [95% BCa bootstrap CI]. "
-        "Rank on final eval loss; `=` marks a tie (intervals overlap); a strategy with any "
+        f"Rank on {LOSS}; `=` marks a tie (intervals overlap); a strategy with any "
         "diverged run ranks below those without. Runs: completed/diverged/failed/incomplete — "
         "statistics use completed runs only. Lower is better in every column."))
 
@@ -259,12 +259,12 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     if not ref.empty:
         doc.h(1, "Each strategy against the fp32 run of the same seed")
         cols, rows = _comparison_rows(ref)
-        doc.table(cols, rows, caption="The loss gap to fp32: Δ = final eval loss − that of the "
+        doc.table(cols, rows, caption=f"The loss gap to fp32: Δ = {LOSS} − that of the "
                   "fp32 run of the same workload and seed. " + PAIRED_CAPTION.format(
                       b="the fp32 reference (strategy `none` at fp32, same workload and seed)"))
 
     if bench_df is not None:
-        doc.h(1, "Strategy overhead by model size (scalelab-bench)")
+        doc.h(1, f"{STRATEGY_OVERHEAD.label.capitalize()} by model size (scalelab-bench)")
         sizes = sorted(bench_df["size"].unique())
         rows = []
         for name, g in bench_df.groupby("name", sort=True):
@@ -333,12 +333,13 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
         "the strategies of one comparison), exact Wilcoxon signed-rank test, fraction of seeds "
         "where the strategy is lower with a Clopper–Pearson CI. *Clearly* better/worse: Holm "
         "t p < 0.05, Wilcoxon p < 0.05 or, with ≤ 5 seeds (min p = 2/2^n ≥ 0.0625), every seed "
-        "agreeing, and the CI of the difference excluding 0; *too few seeds*: only the CI "
-        "excludes 0. Unpaired Welch, Mann–Whitney and P(improvement) are in comparisons.csv.",
-        "Ranking: by fraction of diverged runs, then mean final eval loss; tied while the 95% "
+        "agreeing, and the CI of the difference excluding 0; "
+        f"*{TOO_FEW}*: only the CI excludes 0. Unpaired Welch, "
+        "Mann–Whitney and P(improvement) are in comparisons.csv.",
+        f"Ranking: by fraction of diverged runs, then mean {LOSS}; tied while the 95% "
         "intervals overlap the tier leader's.",
         f"Which strategy when: the metrics are read in this order — {order_text()}; the best "
-        f"strategy is the one read clearly better than `{BASELINE}` on the earliest metric "
+        f"strategy is the one read {CLEARLY_BETTER} than `{BASELINE}` on the earliest metric "
         "where any is (analysis/when.py).",
         "Metrics: " + "; ".join(f"**{m.label}** — {m.description}" for m in METRICS) + ".",
     ])

@@ -98,10 +98,6 @@ def clock(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def is_pct(col: str) -> bool:
-    return col.endswith("_frac") or col.endswith("_frac_mean")
-
-
 #: First characters that make a spreadsheet read a cell as a formula (OWASP, "CSV Injection").
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 

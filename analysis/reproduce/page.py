@@ -24,18 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, load_claim_runs
 from analysis.document import Document
 from analysis.load import RunLoadError
+from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, load_claim_runs
 from analysis.text import code, fmt, write_atomic
+from analysis.words import EVAL_ERROR, INCONCLUSIVE, NOT_REPRODUCED, NOT_RUN, REPRODUCED
 
-__all__ = ["ClaimResult", "NOT_RUN", "EVAL_ERROR", "RECORD_NAME", "build_page", "evaluate_claim",
-           "fmt_estimate", "larger_command", "read_record", "record_start", "record_sweep",
-           "train_args", "write_page"]
+__all__ = ["ClaimResult", "RECORD_NAME", "build_page", "evaluate_claim", "fmt_estimate",
+           "larger_command", "read_record", "record_start", "record_sweep", "train_args",
+           "write_page"]
 
 RECORD_NAME = "reproduce.json"
-#: Verdict-column words of a claim that has no findings (besides the three verdicts).
-NOT_RUN, EVAL_ERROR = "not run", "error"
 #: Failure statuses of a run (analysis/records.py) that make a claim's runs incomplete.
 _BAD_STATUSES = ("failed", "incomplete", "unknown")
 _MAX_WHY = 200
@@ -222,15 +221,17 @@ def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str,
           "`analysis/reproduce/claims/` that states the source, the small setting's deviations from it, "
           "and how its findings are judged.")
     mode = ("the **quick** subset: fewer arms, steps or seeds than the full setting, and a finding "
-            "with fewer than 10 paired seeds reads inconclusive" if quick else "the **full** setting")
+            f"with fewer than 10 paired seeds reads {INCONCLUSIVE}" if quick
+            else "the **full** setting")
     commits = (f"The runs were trained at git {', '.join(code(s) for s in shas)}." if shas
                else "No run records a git commit.")
     doc.p(f"Made by {code(command)} from the runs under {code(out)}: {mode}. {commits} The same "
           "command with `--report-only` rebuilds this page from the same runs, byte for byte.")
-    doc.p("Verdicts (`analysis/reproduce/claims/base.py`): **reproduced** — the 95 % interval over paired "
-          "seeds lies on the source's side (a difference excludes 0, a parity lies within its "
-          "stated margin, a rate clears its threshold); **not reproduced** — it lies on the "
-          "other side; **inconclusive** — neither, or fewer than 10 paired seeds.")
+    doc.p(f"Verdicts (`analysis/reproduce/claims/base.py`): **{REPRODUCED}** — the 95 % interval "
+          "over paired seeds lies on the source's side (a difference excludes 0, a parity lies "
+          "within its stated margin, a rate clears its threshold); "
+          f"**{NOT_REPRODUCED}** — it lies on the other side; **{INCONCLUSIVE}** — neither, or "
+          "fewer than 10 paired seeds.")
     doc.h(1, "Summary")
     if results:
         doc.table(["claim", "measure", "source", "scalelab [95 % interval]", "n", "verdict"],

@@ -15,9 +15,10 @@ from scipy import stats as sps
 
 from analysis import stats
 from analysis.load import load_runs
+from analysis.metrics import PRIMARY
 from analysis.stats import (bootstrap_ci, clopper_pearson, iqm, mann_whitney, prob_improvement,
                             prob_improvement_ci, welch_test)
-from analysis.tables import PRIMARY, compare_to_baseline, rank_strategies, summarize
+from analysis.tables import compare_to_baseline, rank_strategies, summarize
 from tests.analysis.synth import SweepSpec, write_sweep
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ A claim is one module of :mod:`analysis.reproduce.claims` holding ``CLAIM = Clai
 entry of ``Claim.sweeps``), and ``Claim.evaluate`` turns them into findings: the source's number,
 scalelab's estimate with its 95 % interval over paired seeds, and a verdict.
 
-**Verdicts** (the words of ``docs/reproductions.md``):
+**Verdicts** (the words of ``docs/reproductions.md``, defined in :mod:`analysis.words`):
 
 * :func:`direction` — the source says A is lower than B (or higher). Paired per-seed
   differences ``d = a - b``; their mean's BCa interval (:func:`analysis.stats.bootstrap_ci`)
@@ -35,13 +35,11 @@ import yaml
 from analysis.load import MAX_OVERRIDES_BYTES, RecordError, load_runs, read_capped
 from analysis.runset import RunSet
 from analysis.stats import bootstrap_ci, clopper_pearson
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, VERDICTS
 
-__all__ = ["Claim", "ClaimRuns", "Finding", "INCONCLUSIVE", "MIN_PAIRS", "NOT_REPRODUCED",
-           "REPRODUCED", "VERDICTS", "direction", "load_claim_runs", "paired_values", "parity", "select_runs",
-           "share"]
+__all__ = ["Claim", "ClaimRuns", "Finding", "MIN_PAIRS", "direction", "load_claim_runs",
+           "paired_values", "parity", "select_runs", "share"]
 
-REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
-VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
 #: Paired seeds a verdict needs (issue 22: at least 10 per claim).
 MIN_PAIRS = 10
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis.metrics import FINAL_EVAL_LOSS, SKIPPED_STEPS
 from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity, select_runs
 
 __all__ = ["CLAIM", "MARGIN", "ROLE_COLUMNS", "evaluate"]
@@ -48,14 +49,15 @@ def _skips(runs: pd.DataFrame, where: dict) -> str:
     """Mean skipped steps (the loss scaler's overflows) of the completed runs matching ``where``."""
     arm = select_runs(runs, {"status": "completed", **where})
     vals = pd.to_numeric(arm["skipped_steps"], errors="coerce").dropna() if "skipped_steps" in arm else []
-    return f"{vals.mean():.1f} skipped steps per run" if len(vals) else "skipped steps not recorded"
+    noun = SKIPPED_STEPS.noun
+    return f"{vals.mean():.1f} {noun} per run" if len(vals) else f"{noun} not recorded"
 
 
 def evaluate(runs: ClaimRuns) -> list[Finding]:
     """(i) parity of all-current fp8 with bf16; (ii) delayed in one role minus all-current, per role;
     (iii) no cast scaling minus all-current."""
     r = runs.runs
-    loss = "final eval loss (nats)"
+    loss = f"{FINAL_EVAL_LOSS.label} ({FINAL_EVAL_LOSS.unit})"
     a, b = paired_values(r, CURRENT, {"precision": "bf16"})
     out = [parity(f"{loss}, fp8 hybrid (E4M3 fwd / E5M2 bwd, current scaling in every role) minus bf16",
                   _PAPER, a, b, MARGIN)]
@@ -89,7 +91,7 @@ CLAIM = Claim(
            "role pays."),
     deviations=(
         "a 2-layer, 32-wide character GPT trained 40 steps at batch 16 on Python's stdlib source, not GPT-3 "
-        "126M-175B trained to convergence; the measure is the final eval loss on 4 x 128 sequences",
+        f"126M-175B trained to convergence; the measure is the {FINAL_EVAL_LOSS.label} on 4 x 128 sequences",
         "simulated fp8: each Linear's input and weight are quantised-dequantised by torch's E4M3 cast and the "
         "matmul runs in bf16 autocast (the dequantised operands rounded to bf16); TE runs fp8 tensor-core GEMMs "
         "and multiplies the product by 1 / (s_x s_W)",
