@@ -37,7 +37,7 @@ import pandas as pd
 
 from analysis import figures as F
 from analysis.bench import load_bench
-from analysis.document import Document
+from analysis.document import Document, write_document
 from analysis.findings import findings_page
 from analysis.load import RunLoadError, RunSet, load_runs
 from analysis.metrics import (ACT_ZERO_FRAC, FINAL_EVAL_LOSS, METRICS, PRIMARY, SKIPPED_STEPS,
@@ -47,7 +47,7 @@ from analysis.stats import N_BOOT, SEED
 from analysis.tables import (BASELINE, compare_to_baseline, compare_to_reference, rank_strategies,
                              summarize)
 from analysis.targets import REFERENCE_PRECISION
-from analysis.text import code, fmt, fmt_ci, fmt_p, human, pct, write_atomic, write_csv
+from analysis.text import code, fmt, fmt_ci, fmt_p, human, pct, write_csv
 from analysis.verdict import cell_verdict, overall_verdict, phrase
 from analysis.when import (CROSS_CAPTION, cross_rows, cross_verdict, cross_workload_table,
                            order_text, table_rows, which_strategy_when)
@@ -237,8 +237,9 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     doc.p(overall)
     doc.bullets(cell_lines)
     if page is not None:
-        write_atomic(page, findings_page(rs.runs, when, overall, command, (out / "report.md").as_posix(),
-                                         cross_tables, cross_text))
+        write_document(findings_page(rs.runs, when, overall, command,
+                                     (out / "report.md").as_posix(), cross_tables, cross_text),
+                       page)
 
     doc.h(1, "Ranking and final metrics")
     cols, rows = _ranking_rows(summary, ranks)
@@ -344,10 +345,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
         "Metrics: " + "; ".join(f"**{m.label}** — {m.description}" for m in METRICS) + ".",
     ])
 
-    (out / "report.md").write_text(doc.to_markdown(out), encoding="utf-8")
-    html_path = out / "report.html"
-    html_path.write_text(doc.to_html(), encoding="utf-8")
-    return html_path
+    write_document(doc, out / "report.md")
+    return write_document(doc, out / "report.html")
 
 
 def _one_line(text: str) -> str:

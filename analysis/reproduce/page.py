@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from analysis.document import Document
+from analysis.document import Document, write_document
 from analysis.load import RunLoadError
 from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, load_claim_runs
 from analysis.text import code, fmt, write_atomic
@@ -210,8 +210,9 @@ def _section(doc: Document, k: int, r: ClaimResult, out: str) -> None:
     doc.bullets([code(larger_command(c, sweep), 400) for sweep in c.sweeps])
 
 
-def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str, quick: bool) -> str:
-    """The page's Markdown (see the module docstring); a pure function of its arguments."""
+def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str, quick: bool
+               ) -> Document:
+    """The page (see the module docstring); a pure function of its arguments."""
     quick = bool(record.get("quick", quick))
     command = record.get("command") or ("scalelab-reproduce" + (" --quick" if quick else ""))
     shas = sorted({s[:12] for r in results for s in r.git_shas})
@@ -240,13 +241,14 @@ def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str,
         doc.p("No claims are registered (`analysis/reproduce/claims/__init__.py`: `CLAIMS`).")
     for k, r in enumerate(results, start=1):
         _section(doc, k, r, out)
-    return doc.to_markdown(Path("."))
+    return doc
 
 
 def write_page(out: str | Path, doc_path: str | Path, claims: Sequence[Claim], quick: bool) -> list[ClaimResult]:
     """Evaluate every claim in ``claims`` from ``<out>`` and write the page to ``doc_path``
-    atomically; return the results (for the runner's closing line)."""
+    (:func:`analysis.document.write_document`); return the results (for the runner's closing
+    line)."""
     record = read_record(out)
     results = [evaluate_claim(c, out, record) for c in claims]
-    write_atomic(doc_path, build_page(results, record, str(out), quick))
+    write_document(build_page(results, record, str(out), quick), doc_path)
     return results

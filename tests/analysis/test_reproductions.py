@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -136,7 +137,19 @@ def test_the_page_is_written_atomically(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
-        write_atomic(doc, "new page\n")  # the writer of this page and of docs/findings.md
+        write_atomic(doc, "new page\n")  # the writer of every page (analysis.document.write_document)
     assert doc.read_text() == "old page\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.md"]  # no temporary file left
+
+
+def test_a_written_page_has_the_mode_open_gives_and_a_rewrite_keeps_its_mode(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "new.md", "page\n")
+        assert stat.S_IMODE((tmp_path / "new.md").stat().st_mode) == 0o644  # not mkstemp's 0o600
+        (tmp_path / "new.md").chmod(0o640)
+        write_atomic(tmp_path / "new.md", "page again\n")
+        assert stat.S_IMODE((tmp_path / "new.md").stat().st_mode) == 0o640
+    finally:
+        os.umask(umask)
 
