@@ -1,12 +1,18 @@
-"""The house rules of ``analysis/`` (issue 28): one home per metric label and per verdict word."""
+"""The house rules of ``analysis/`` (issue 28): one home per metric label and per verdict word,
+claims found like strategies."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
+import pytest
+
+import analysis.reproduce.claims as registry
 from analysis import metrics, words
+from analysis.reproduce.claims.base import Claim
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "analysis"
@@ -75,3 +81,43 @@ def test_the_house_tests_see_a_label_or_word_written_twice(tmp_path: Path) -> No
     assert written([twice], labels, re.IGNORECASE) == ["twice.py:3: 'act-grad zero fraction'"]
     assert written([twice], {*words.READINGS, *words.VERDICTS}) == [
         "twice.py:4: 'clearly better'"]
+
+
+def test_every_module_with_a_claim_is_registered_in_order() -> None:
+    found = {c.name for c in registry.discover()}
+    assert [c.name for c in registry.CLAIMS] == [c.name for c in sorted(
+        registry.CLAIMS, key=lambda c: (c.order, c.name))]
+    assert found == {c.name for c in registry.CLAIMS} and len(found) == len(registry.CLAIMS)
+    for claim in registry.CLAIMS:
+        assert (REPO / "conf" / "experiment" / f"{claim.experiment}.yaml").is_file(), claim.name
+
+
+def test_a_new_claim_is_one_module_and_no_other_edit(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "zz_new_claim.py").write_text(
+        "from analysis.reproduce.claims.base import Claim\n"
+        "CLAIM = Claim(name='zz_new_claim', title='t', source='s', claim='c', deviations=(),\n"
+        "              evaluate=lambda runs: [], order=1000)\n", encoding="utf-8")
+    monkeypatch.setattr(registry, "__path__", [*registry.__path__, str(tmp_path)])
+    try:
+        found = registry.discover()
+    finally:
+        sys.modules.pop(f"{registry.__name__}.zz_new_claim", None)
+    assert [c.name for c in found] == [c.name for c in registry.CLAIMS] + ["zz_new_claim"]
+    assert isinstance(found[-1], Claim)
+
+
+NUMBERS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten "
+                                       "eleven twelve".split())}
+
+
+def test_the_readme_does_not_miscount_the_claims() -> None:
+    """The README may say how many claims ``make reproduce`` re-tests only if it is right (it
+    says "published loss-scaling claims" without a count, so a new claim needs no README edit)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    said = re.findall(r"re-tests (\w+) published", readme)
+    assert "re-tests published loss-scaling claims" in readme or said
+    for word in said:
+        n = int(word) if word.isdigit() else NUMBERS.get(word.lower())
+        assert n is None or n == len(registry.CLAIMS), f"README counts {word} claims, " \
+            f"the registry has {len(registry.CLAIMS)}"

@@ -112,6 +112,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="adaloss",
+    order=2,  # issue 22, item 2
     title="AdaLoss: per-layer adaptive loss scaling vs fixed and dynamic scaling",
     source=("Zhao, Vogel, Ahmed, Luk, \"Adaptive Loss Scaling for Mixed Precision Training\", "
             "IJCAI 2020 (arXiv 1910.12385); code kumasento/gradient-scaling: rule in "

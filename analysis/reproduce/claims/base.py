@@ -1,7 +1,8 @@
 """What every reproduced claim shares: its description (:class:`Claim`), one row of the
 reproduction table (:class:`Finding`), the verdict rules, and the runs of its sweep as one frame.
 
-A claim is one module of :mod:`analysis.reproduce.claims` holding ``CLAIM = Claim(...)``. Its runs come from
+A claim is one module of :mod:`analysis.reproduce.claims` holding ``CLAIM = Claim(...)`` (found
+there by name, no list to edit). Its runs come from
 ``scalelab-train -m +experiment=repro_<name> hydra.sweep.dir=<out>/<name>`` (one such sweep per
 entry of ``Claim.sweeps``), and ``Claim.evaluate`` turns them into findings: the source's number,
 scalelab's estimate with its 95 % interval over paired seeds, and a verdict.
@@ -93,7 +94,9 @@ class Claim:
       that tell the arms apart beyond strategy/precision/workload; each becomes a column;
     * ``evaluate`` — :class:`ClaimRuns` to findings;
     * ``experiment`` — the Hydra experiment the sweeps run (``+experiment=<experiment>``);
-      empty (the default) means ``repro_<name>``.
+      empty (the default) means ``repro_<name>``;
+    * ``order`` — its place on ``docs/reproductions.md`` (and in
+      :data:`analysis.reproduce.claims.CLAIMS`): claims sort by it, then by name.
     """
 
     name: str
@@ -106,6 +109,7 @@ class Claim:
     quick: tuple[str, ...] = ()
     factors: tuple[str, ...] = ()
     experiment: str = ""
+    order: int = 0
 
     def __post_init__(self) -> None:
         if not self.experiment:

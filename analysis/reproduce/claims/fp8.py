@@ -75,6 +75,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="fp8",
+    order=4,  # issue 22, item 4
     title="FP8 formats: E4M3 forward / E5M2 backward at 16-bit parity; delayed vs current scaling per tensor role",
     source=("Micikevicius, Stosic, Burgess, Cornea, Dubey, Grisenthwaite, Ha, Heinecke, Judd, Kamalu, Mellempudi, "
             "Oberman, Shoeybi, Siu, Wu, 'FP8 Formats for Deep Learning', arXiv:2209.05433, 2022; "

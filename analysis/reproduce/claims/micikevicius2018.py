@@ -205,6 +205,7 @@ _ARMS = ((), ("precision=fp32", "strategy=none", "loss_scale=1"), ("strategy=nat
 
 CLAIM = Claim(
     name="micikevicius2018",
+    order=1,  # issue 22, item 1
     title="Mixed precision training: activation gradients below fp16's range, loss scale 8",
     source="Micikevicius, Narang, Alben, Diamos, Elsen, Garcia, Ginsburg, Houston, Kuchaiev, Venkatesh, "
            "Wu: 'Mixed Precision Training', ICLR 2018, Sec. 3.2 and Fig. 3; NVIDIA 'Training with Mixed "

@@ -68,6 +68,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="profiles",
+    order=6,  # issue 22, item 6
     title="Performance profiles across workloads (AlgoPerf): does a rule beat GradScaler?",
     source=("Dahl et al., \"Benchmarking Neural Network Training Algorithms\", arXiv 2306.07179 "
             "(2023), mlcommons/algorithmic-efficiency scoring/performance_profile.py and "

@@ -84,6 +84,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="unit_scaling",
+    order=3,  # issue 22, item 3
     title="Unit scaling trains in FP16 and FP8 without loss scaling",
     source=("Blake, Orr, Luschi, 'Unit Scaling: Out-of-the-Box Low-Precision Training', ICML 2023 "
             "(arXiv 2303.11257); graphcore-research/unit-scaling, commit 299e560: unit_scaling/scale.py, "

@@ -181,6 +181,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="wortsman2023",
+    order=5,  # issue 22, item 5
     title="Attention-logit growth at high learning rate and qk-layernorm, per loss scaler",
     source=("M. Wortsman, P. J. Liu, L. Xiao et al., \"Small-scale proxies for large-scale Transformer "
             "training instabilities\", ICLR 2024 (arXiv:2309.14322), Sec. 2.2 (LR sensitivity) and "
