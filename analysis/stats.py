@@ -33,6 +33,10 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import stats as sps
 
+__all__ = ["Array", "CHUNK", "LEVEL", "N_BOOT", "SEED", "STATISTICS", "bootstrap_ci",
+           "clopper_pearson", "iqm", "mann_whitney", "prob_improvement", "prob_improvement_ci",
+           "prob_improvement_rows", "welch_test"]
+
 #: Default bootstrap resamples and seed (fixed: a report regenerated from the same runs is
 #: identical).
 N_BOOT = 2000
