@@ -62,6 +62,9 @@ from experiments.bench.common import (VARIANTS, NoOpOptimizer, human, make_param
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
+__all__ = ["DEFAULT_SIZES", "step_timer", "bench_overhead", "bench_stats_pass", "format_tables",
+    "machine_info", "build_parser", "GPU_ONLY", "CPU_DOCS", "cpu_page", "main"]
+
 DEFAULT_SIZES = "1M,10M,50M"
 def step_timer(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], float]:
     """One timed training-step's worth of scaling calls (:func:`bench_common.scaling_step`);
