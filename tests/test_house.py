@@ -16,6 +16,7 @@ The first three hold for every folder of :data:`FOLDERS`; add a folder there onc
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -25,8 +26,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("strategies", "experiments", "hydra_plugins")
-"""The folders the house rules hold for (analysis/ to follow)."""
+FOLDERS = ("strategies", "experiments", "analysis", "hydra_plugins")
+"""The production folders the house rules hold for."""
 
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -118,9 +119,24 @@ def test_the_folders_hold_modules() -> None:
     assert "strategies/base.py" in names and "strategies/rules/native.py" in names
 
 
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
 def test_every_module_declares_all() -> None:
     bad = [_rel(p) for p in sources() if not declares_all(ast.parse(p.read_text(), str(p)))]
     assert not bad, "modules without __all__ (declare their public names):\n" + "\n".join(bad)
+
+
+def test_all_names_only_what_the_module_defines() -> None:
+    bad = []
+    for path in sources():
+        module = importlib.import_module(module_name(path))
+        missing = [name for name in getattr(module, "__all__", []) if not hasattr(module, name)]
+        if missing:
+            bad.append(f"{_rel(path)}: {missing}")
+    assert not bad, "__all__ names what the module lacks:\n" + "\n".join(bad)
 
 
 def test_no_file_is_over_the_limit() -> None:
