@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from experiments.app.records import write_text_atomic
 from experiments.bench.common import (NoOpOptimizer, human, make_params, make_scaler, paired_ratio, parse_size,
                                      restore, scaling_step)
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
@@ -329,5 +330,4 @@ def format_markdown(result: dict[str, Any]) -> str:
 
 
 def write_page(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_markdown(result), encoding="utf-8")
+    write_text_atomic(path, format_markdown(result))
