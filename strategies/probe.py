@@ -8,7 +8,9 @@ oracle):
   set), and the ``on_unscale`` hook that, on a probe step, differentiates the fp32 reference
   loss at the first optimizer unscaled in the step (before any ``optimizer.step()``) and sums the
   squares of the fp32 and of the unscaled mixed-precision gradients over the probed parameters
-  P. :meth:`~ReferenceProbe.probe_sums` hands the step's two sums to the rule, reduced over ranks.
+  P. :meth:`~ReferenceProbe.probe_sums` hands the step's two sums to the rule, reduced over ranks
+  (DDP: reference averaged over ranks, MAX; a ZeRO partition: averaged, summed over the share each
+  rank's optimizers hold, SUM; FSDP: FSDP's own backward, :mod:`strategies.probe_sharded`, SUM).
   Which steps probe is the host-side :meth:`~ReferenceProbe.probe_due` (default: every
   ``probe_interval``-th :meth:`update`, step 0 included). The rule's ``Params`` include
   :class:`ProbeRule` (``probe_interval``, the thresholds, ``probe_layers``); its ``state_spec``
