@@ -31,7 +31,7 @@ def _loss(model: torch.nn.Module, rank: int, adversarial: bool) -> torch.Tensor:
     return loss
 
 
-def _ratio(rank: int, adversarial: bool, setting: str) -> float:
+def _ratio(rank: int, adversarial: bool, setting: str) -> tuple[float, float]:
     model = mlp(seed=0)
     ddp = DDP(model)
     mine = [p for i, p in enumerate(model.parameters()) if setting != "sharded" or i % 2 == rank]
@@ -41,7 +41,7 @@ def _ratio(rank: int, adversarial: bool, setting: str) -> float:
     s.scale(_loss(ddp, rank, adversarial)).backward()
     s.step(opt)
     s.update()
-    return s.telemetry()["norm_ratio"].item()
+    return s.telemetry()["norm_ratio"].item(), s.telemetry()["grad_norm"].item()
 
 
 def _all(rank: int) -> dict:
@@ -53,7 +53,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_ranks(_all, tmp_path_factory.mktemp("probe"))
 
 
-def _one_process(adversarial: bool) -> float:
+def _one_process(adversarial: bool) -> tuple[float, float]:
     model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     s = strategies.create("norm_ratio", "cpu", probe_interval=1)
@@ -64,13 +64,15 @@ def _one_process(adversarial: bool) -> float:
     s.scale(whole()).backward()
     s.step(opt)
     s.update()
-    return s.telemetry()["norm_ratio"].item()
+    return s.telemetry()["norm_ratio"].item(), s.telemetry()["grad_norm"].item()
 
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["plain", "adversarial"])
 @pytest.mark.parametrize("setting", ["sharded", "auto"], ids=["zero-partition", "ddp"])
 def test_the_sharded_probe_reads_what_one_process_reads(ranks: list[dict], adversarial: bool, setting: str) -> None:
-    one = _one_process(adversarial)
-    assert one == pytest.approx(1.0, abs=1e-5)
+    """The ratio, and the logged gradient norm (a partition's shares summed, not maximised)."""
+    ratio, norm = _one_process(adversarial)
+    assert ratio == pytest.approx(1.0, abs=1e-5)
     for out in ranks:
-        assert out[(adversarial, setting)] == pytest.approx(one, abs=1e-5)
+        assert out[(adversarial, setting)][0] == pytest.approx(ratio, abs=1e-5)
+        assert out[(adversarial, setting)][1] == pytest.approx(norm, rel=1e-5)
