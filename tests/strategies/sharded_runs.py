@@ -15,13 +15,14 @@ whole gradient.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 from torch.distributed.fsdp import fully_shard
 
 import strategies
-from tests.helpers import fp16_safe, mlp, strategy_cases
+from tests.helpers import forbid_host_sync, fp16_safe, mlp, strategy_cases
 
 __all__ = ["CASES", "INF_STEP", "NAN_STEP", "STEPS", "WORLD", "fsdp2_all", "one_process", "run_steps"]
 
@@ -64,7 +65,9 @@ def _inject(grads: Callable[[], torch.Tensor], step: int, rank: int | None) -> N
 
 def run_steps(strat: strategies.Strategy, model: torch.nn.Module, halves: list[int], rank: int | None,
               weight_grad: Callable[[], torch.Tensor], full_params: Callable[[], torch.Tensor]) -> list[dict]:
-    """STEPS steps of SGD under fp16 autocast over the given batch halves; one record per step."""
+    """STEPS steps of SGD under fp16 autocast over the given batch halves; one record per step.
+    After the first step, ``unscale_`` and ``update`` read nothing on the host (the new collectives
+    and the fp32 probe through FSDP2 included)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     current: dict[str, torch.Tensor] = {}
 
@@ -87,8 +90,11 @@ def run_steps(strat: strategies.Strategy, model: torch.nn.Module, halves: list[i
             for p in model.parameters():
                 p.grad.div_(len(halves))
         _inject(weight_grad, step, rank)
-        strat.step(opt)
-        strat.update()
+        with forbid_host_sync() if step else nullcontext():  # after the first step's rank check: no host read
+            strat.unscale_(opt)
+        strat.step(opt)  # GradScaler's one read (found_inf)
+        with forbid_host_sync() if step else nullcontext():
+            strat.update()
         records.append({"scale": strat.get_scale(), "params": full_params(),
                         "telemetry": {k: v.detach().clone() for k, v in strat.telemetry().items()}})
     return records
