@@ -1,9 +1,8 @@
 """Layer boundaries: the one place where anything hooks the activation gradients between layers.
 
-A model's **layers** (:func:`layers`) are the names of its ``boundaries`` attribute when it
-declares one, else every top-level child module that owns trainable parameters, looking inside
-containers that are never called themselves (``ModuleList``, ``ModuleDict``), in registration
-order — so ``embed``, ``blocks.0``, ``blocks.1``, ``ln_f``, ``head`` for a nanoGPT-style model.
+A model's **layers** are :func:`strategies.model_layers.layers` (its declared ``boundaries``,
+else its children that own parameters) — so ``embed``, ``blocks.0``, ``blocks.1``, ``ln_f``,
+``head`` for a nanoGPT-style model.
 
 Three kinds of user transform the gradient that leaves a layer's output on its way down in
 backward, and :class:`Boundaries` applies them in this fixed, documented order:
@@ -40,12 +39,8 @@ view: autograd's ``CopySlices`` sends the gradient to the producer, past the vie
 that call's transforms onto a pre-hook of the producer node. Every hooked call walks from its
 inputs, and a strategy's ``scale()`` from the loss, so the move happens before any backward.
 
-**Scaled backwards** (:class:`ScaledBackwards`). A strategy's transforms must act only on a
-backward whose loss went through *its* ``scale()``: ``mark`` tags the scaled loss, whose tensor
-hook records the running autograd graph task; ``active()`` asks, from a boundary hook, whether
-the running task is one of those. Any other backward (a plain ``loss.backward()`` for logging,
-an fp32 reference) passes the boundaries untouched. Reentrant backwards (reentrant activation
-checkpointing) run as tasks of their own and are not seen as scaled.
+**Scaled backwards** (:class:`strategies.scaled_backwards.ScaledBackwards`): a strategy's
+transforms act only on a backward whose loss went through *its* ``scale()``.
 """
 
 from __future__ import annotations
@@ -60,34 +55,13 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["STAGES", "Boundaries", "ScaledBackwards", "Trace", "layers", "reached", "tensors_in"]
+__all__ = ["STAGES", "Boundaries", "Trace", "reached", "tensors_in"]
 
 STAGES = ("rescale", "quantize", "observe")
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
 _MARK = "scalelab.boundary"  # node.metadata key: {output_nr: [(trace, call index), ...]}
 
 GradFn = Callable[["Trace", int, torch.Tensor], "torch.Tensor | None"]
-
-
-def layers(model: torch.nn.Module) -> list[str]:
-    """The model's layer names (see the module docstring)."""
-    declared = getattr(model, "boundaries", None)
-    if declared:
-        return [str(n) for n in declared]
-    found: list[str] = []
-
-    def visit(prefix: str, parent: torch.nn.Module) -> None:
-        for n, m in parent.named_children():
-            if not any(p.requires_grad for p in m.parameters()):
-                continue
-            if isinstance(m, _CONTAINERS):  # never called itself: its members are
-                visit(f"{prefix}{n}.", m)
-            else:
-                found.append(f"{prefix}{n}")
-
-    visit("", model)
-    return found
 
 
 @dataclass(eq=False)
@@ -174,38 +148,6 @@ def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool]) -> list[
 
 def _any(trace: Trace, i: int) -> bool:
     return True
-
-
-class ScaledBackwards:
-    """The autograd graph tasks (backward passes) whose root went through one strategy's
-    ``scale()`` (module docstring). ``torch._C._current_graph_task_id`` is the id torch's own
-    ``torch.utils.checkpoint`` uses for the same question."""
-
-    def __init__(self) -> None:
-        self._tasks: set[int] = set()
-
-    def mark(self, outputs: Any) -> Any:
-        """Tag the scaled tensors in ``outputs`` (a tensor, or nested lists/tuples/iterables of
-        them, as ``scale()`` returns) and return it unchanged (lazily for other iterables)."""
-        if isinstance(outputs, torch.Tensor):
-            if outputs.requires_grad:
-                outputs.register_hook(self._arm)
-        elif isinstance(outputs, (list, tuple)):
-            for o in outputs:
-                self.mark(o)
-        elif isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
-            return map(self.mark, outputs)
-        return outputs
-
-    def _arm(self, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task not in self._tasks:
-            self._tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._tasks.discard(task))
-
-    def active(self) -> bool:
-        """True inside a backward whose root went through :meth:`mark`."""
-        return torch._C._current_graph_task_id() in self._tasks
 
 
 class _Hook:

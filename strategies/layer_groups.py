@@ -1,7 +1,7 @@
 """Layer groups of a per-layer strategy: which modules form a group, and the checks that keep
 per-group scales exact.
 
-* :func:`resolve` — the default groups are the model's layers (:func:`strategies.boundaries.layers`),
+* :func:`resolve` — the default groups are the model's layers (:func:`strategies.model_layers.layers`),
   else one group per fnmatch pattern over module names (outermost match, first pattern wins);
 * tied weights: a parameter owned by modules of two groups (nanoGPT and GPT-2 tie the token
   embedding to the LM head) would collect gradient contributions at two scales and be unscaled
@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from strategies.boundaries import layers
+from strategies.model_layers import layers
 
 __all__ = ["Groups", "assign", "overflow_origin", "resolve"]
 

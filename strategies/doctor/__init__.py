@@ -29,7 +29,7 @@ first module, in backward order, whose output gradient is finite and whose input
 not (full backward hooks); if no activation gradient overflows, the first module owning a
 non-finite parameter gradient.
 
-**Underflow damage** per layer (``strategies.boundaries.layers``) of the unscaled mixed
+**Underflow damage** per layer (``strategies.model_layers.layers``) of the unscaled mixed
 gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
 ``cosine = <g, r> / (||g|| ||r||)`` — the same definitions as the app's fidelity probe.
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from strategies.boundaries import Boundaries, layers
+from strategies.boundaries import Boundaries
+from strategies.model_layers import layers
 
 
 def mlp(seed: int = 0) -> torch.nn.Sequential:
