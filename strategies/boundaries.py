@@ -13,7 +13,7 @@ backward, and :class:`Boundaries` applies them in this fixed, documented order:
    so the value is quantised at the scale the receiving layer computes with;
 3. ``"observe"`` — telemetry: read-only measurements of what the layer below receives.
 
-Each hooked module gets one forward hook, however many users. A host-side :class:`Trace`
+Each hooked module gets one forward hook (and one pre-hook, below), however many users. A host-side :class:`Trace`
 records the hooked calls of one forward pass in order. Each tensor output ``t`` of a call is
 returned as ``t.view_as(t)`` — an ordinary view, so the consumers' ops (the other side of the
 boundary) and the module's own ops (which may have saved ``t``) see two tensors — with one tensor
@@ -32,7 +32,7 @@ not the other way round.
 
 **Links** (:func:`reached`). The autograd node of each returned view, and the producer's output
 behind it, are marked with their call (``node.metadata``). Walking the graph down from some
-tensors (a call's inputs, a loss) through unmarked nodes finds the calls whose outputs they
+tensors (a call's inputs, a loss) through unmarked nodes (never past a :func:`fence`) finds the calls whose outputs they
 consume through other ops — ``layerwise`` uses this to learn, for each call, which group consumes
 its output. A walk that arrives at a producer's output around its view (an in-place op on the
 view: autograd's ``CopySlices`` sends the gradient to the producer, past the view's hook) moves
@@ -41,6 +41,12 @@ inputs, and a strategy's ``scale()`` from the loss, so the move happens before a
 
 **Scaled backwards** (:class:`strategies.scaled_backwards.ScaledBackwards`): a strategy's
 transforms act only on a backward whose loss went through *its* ``scale()``.
+
+**Inputs and nesting.** Each hooked module also gets one forward pre-hook: a user's
+``on_inputs`` may pass a :func:`fence` in place of a tensor argument (``layerwise`` converts
+there the gradient a call sends into an output that an earlier group already consumes), and a
+call made while another call of the same user's modules is in progress (an aliased module inside
+a group, a recursion) is nested: that user sees only the outer call.
 """
 
 from __future__ import annotations
@@ -55,11 +61,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["STAGES", "Boundaries", "Trace", "reached", "tensors_in"]
+__all__ = ["STAGES", "Boundaries", "Trace", "fence", "reached", "tensors_in"]
 
 STAGES = ("rescale", "quantize", "observe")
 
 _MARK = "scalelab.boundary"  # node.metadata key: {output_nr: [(trace, call index), ...]}
+_FENCE = "scalelab.fence"  # node.metadata key: walks stop here (see fence)
 
 GradFn = Callable[["Trace", int, torch.Tensor], "torch.Tensor | None"]
 
@@ -74,6 +81,7 @@ class Trace:
     calls: list[torch.nn.Module] = field(default_factory=list)
     data: dict[Any, Any] = field(default_factory=dict)
     closed: bool = False
+    open: list[torch.nn.Module] = field(default_factory=list)  # hooked calls in progress (nesting)
 
 
 @dataclass(eq=False)
@@ -85,6 +93,7 @@ class _User:
     on_end: Callable[[Trace], None] | None
     when: Callable[[], bool] | None
     on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None
+    on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None
     owner: Any = None
     seconds: float = 0.0  # host time spent in this user's callbacks so far
 
@@ -131,6 +140,8 @@ def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool]) -> list[
             continue
         seen.add(edge)
         node, nr = edge
+        if _FENCE in node.metadata:
+            continue
         marks = node.metadata.get(_MARK)
         hit = False
         for trace, i, hook, around in marks.get(nr, ()) if marks else ():
@@ -144,6 +155,16 @@ def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool]) -> list[
             expanded.add(node)
             stack.extend((n, k) for n, k in node.next_functions if n is not None)
     return found
+
+
+def fence(t: torch.Tensor, hook: Callable[[torch.Tensor], "torch.Tensor | None"]) -> torch.Tensor:
+    """``t`` as a view whose gradient goes through ``hook`` (a tensor hook) and past which no walk
+    (:func:`reached`) goes: a user's ``on_inputs`` returns it to handle, on its own, the
+    gradient one call's input sends down (so the links below it are that user's business)."""
+    out = t.view_as(t)
+    out.grad_fn.metadata[_FENCE] = True
+    out.register_hook(hook)
+    return out
 
 
 def _any(trace: Trace, i: int) -> bool:
@@ -233,6 +254,7 @@ class Boundaries:
         on_end: Callable[[Trace], None] | None = None,
         when: Callable[[], bool] | None = None,
         on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None,
+        on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None,
         owner: Any = None,
     ) -> Handle:
         """Call ``on_call(trace, i)`` at each call of one of ``modules`` (forward, grad enabled),
@@ -241,19 +263,23 @@ class Boundaries:
         ``when()``, if given, is asked at each call in forward: False leaves this call's gradient
         untouched by ``on_grad`` (decided in forward, so a backward run later agrees).
         ``on_link(trace, i, below)``: at each call, this user's earlier calls whose outputs the
-        call's tensor arguments consume (:func:`reached`). ``owner`` (a strategy): refused with one
-        ``ValueError`` while another owner has hooks on this model or on one of its modules."""
+        call's tensor arguments consume (:func:`reached`). ``on_inputs(module, t)``: before each
+        call, each tensor argument that requires grad; a returned tensor (a :func:`fence`) is passed
+        instead. A call made inside another call of the same user's modules (an aliased module, a
+        recursion) is nested: that user sees only the outer one. ``owner`` (a strategy): refused with
+        one ``ValueError`` while another owner has hooks on this model or on one of its modules."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
         modules = list(modules)
         if owner is not None:
             self._refuse_second_owner(owner)
-        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, owner)
+        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, on_inputs, owner)
         self._users.append(user)
         self._users.sort(key=lambda u: STAGES.index(u.stage))  # stable: same stage keeps its order
         for m in modules:
             if id(m) not in self._hooks:
-                self._hooks[id(m)] = m.register_forward_hook(self._on_output, with_kwargs=True)
+                self._hooks[id(m)] = (m.register_forward_pre_hook(self._on_input, with_kwargs=True),
+                                      m.register_forward_hook(self._on_output, with_kwargs=True))
         model = self._model_ref()
         if model is not None and not self._root_hooks:
             self._root_hooks = [model.register_forward_pre_hook(self._start),
@@ -278,7 +304,8 @@ class Boundaries:
         still = set().union(*(u.modules for u in self._users)) if self._users else set()
         for mid in list(self._hooks):
             if mid not in still:
-                self._hooks.pop(mid).remove()
+                for h in self._hooks.pop(mid):
+                    h.remove()
         if not self._users:
             for h in self._root_hooks:
                 h.remove()
@@ -302,17 +329,47 @@ class Boundaries:
                 if u.on_end is not None:
                     _timed(u, u.on_end, trace)
 
+    def _current(self) -> Trace:
+        if self.trace is None or self.trace.closed:  # called outside the model's own forward
+            self.trace = Trace()
+        return self.trace
+
+    @staticmethod
+    def _outer(users: list[_User], module: torch.nn.Module, trace: Trace) -> list[_User]:
+        """The users of ``module`` for whom this call is not nested in a call of their modules."""
+        return [u for u in users if id(module) in u.modules and not any(id(m) in u.modules for m in trace.open)]
+
+    def _on_input(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._disabled or not torch.is_grad_enabled():
+            return None
+        trace = self._current()
+        users = [u for u in self._outer(self._users, module, trace) if u.on_inputs is not None]
+        trace.open.append(module)
+        changed = False
+
+        def swap(t: Any) -> Any:
+            nonlocal changed
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                for u in users:
+                    new = _timed(u, u.on_inputs, module, t)
+                    if new is not None:
+                        t, changed = new, True
+            return t
+
+        new_args, new_kwargs = tree_map(swap, (args, kwargs)) if users else (args, kwargs)
+        return (new_args, new_kwargs) if changed else None
+
     def _on_output(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self._disabled or not torch.is_grad_enabled():
             return None
-        if self.trace is None or self.trace.closed:  # called outside the model's own forward
-            self.trace = Trace()
-        trace = self.trace
+        trace = self._current()
+        if module in trace.open:  # the innermost call of this module is the one returning
+            del trace.open[len(trace.open) - 1 - trace.open[::-1].index(module)]
         i = len(trace.calls)
         trace.calls.append(module)
         inputs = tensors_in((args, kwargs))
         reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
-        users = [u for u in self._users if id(module) in u.modules]
+        users = self._outer(self._users, module, trace)
         for u in users:
             if u.on_call is not None:
                 _timed(u, u.on_call, trace, i)
