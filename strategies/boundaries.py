@@ -1,8 +1,8 @@
 """Layer boundaries: the one place where anything hooks the activation gradients between layers.
 
 A model's **layers** are :func:`strategies.model_layers.layers` (its declared ``boundaries``,
-else its children that own parameters) — so ``embed``, ``blocks.0``, ``blocks.1``, ``ln_f``,
-``head`` for a nanoGPT-style model.
+else its children that own parameters, opened down to its repeated blocks) — so ``embed``,
+``blocks.0``, ``blocks.1``, ``ln_f``, ``head`` for a nanoGPT-style model.
 
 Three kinds of user transform the gradient that leaves a layer's output on its way down in
 backward, and :class:`Boundaries` applies them in this fixed, documented order:

@@ -3,12 +3,12 @@
 Rule (seed 003, section 3.3 "层级化动态缩放 (Layer-wise Scaling)": layers near the input usually
 have smaller gradients than layers near the output, so each layer group l keeps its own scale
 S_l). Groups are indexed 0..G-1; by default the model's layers
-(:func:`strategies.model_layers.layers`: its declared ``boundaries``, else each top-level child
-module that owns parameters, looking into ``ModuleList``/``ModuleDict``), or the modules
-matched by ``groups`` (fnmatch patterns over qualified module names; one group per pattern,
-outermost match, first pattern wins). Every trainable parameter must belong to a
-group, and a group whose parameters receive gradients must have been called in forward
-(:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
+(:func:`strategies.model_layers.layers`: its declared ``boundaries``, else its children that own
+parameters, opened down to its repeated blocks: one group per block of HF GPT-2, BERT, T5,
+Llama, ViT), or the modules matched by ``groups`` (fnmatch patterns over qualified module names;
+one group per pattern, outermost match, first pattern wins). Every trainable parameter must
+belong to a group, and a group whose parameters receive gradients must have been called in
+forward (:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
 
 Mechanics (all scales are powers of two, so every rescaling is exact unless the result leaves the
 format's range — which is precisely what scaling is about; the links and their maths:
