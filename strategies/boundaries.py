@@ -13,15 +13,16 @@ backward, and :class:`Boundaries` applies them in this fixed, documented order:
    so the value is quantised at the scale the receiving layer computes with;
 3. ``"observe"`` — telemetry: read-only measurements of what the layer below receives.
 
-Each hooked module gets one forward hook (and one pre-hook, below), however many users. A host-side :class:`Trace`
-records the hooked calls of one forward pass in order. Each tensor output ``t`` of a call is
-returned as ``t.view_as(t)`` — an ordinary view, so the consumers' ops (the other side of the
-boundary) and the module's own ops (which may have saved ``t``) see two tensors — with one tensor
-hook (``Tensor.register_hook``) that runs the users' transforms of that call in stage order, so
-the result never depends on which user attached first (tested). An ordinary view with a hook, not
-an identity autograd Function: a later in-place op on the output (torchvision's
-``ReLU(inplace=True)`` after a hooked ``BatchNorm``) is allowed (a custom Function's view output
-refuses it), and the hook still receives the gradient of the value the module returned.
+Each hooked module gets one forward hook (and one pre-hook, below), however many users. A
+host-side :class:`Trace` records the hooked calls of one forward pass in order. Each tensor
+output ``t`` of a call is returned as ``t.view_as(t)`` — an ordinary view, so the consumers' ops
+(the other side of the boundary) and the module's own ops (which may have saved ``t``) see two
+tensors — with one tensor hook (``Tensor.register_hook``) that runs the users' transforms of
+that call in stage order, so the result never depends on which user attached first (tested). An
+ordinary view with a hook, not an identity autograd Function: a later in-place op on the output
+(torchvision's ``ReLU(inplace=True)`` after a hooked ``BatchNorm``) is allowed (a custom
+Function's view output refuses it), and the hook still receives the gradient of the value the
+module returned.
 
 **Traces.** The model's own forward starts a trace and closes it when it returns. Hooked modules
 called outside it (models in a never-called ``ModuleList``, called one by one) share a trace

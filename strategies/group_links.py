@@ -132,6 +132,19 @@ class GroupLinks:
         for tr, k in below:
             link(self.links(tr), k, g, self.names[self.group_of(tr, k)], f"group {self.names[g]!r}", self.names)
 
+    def fan_in(self, module: torch.nn.Module, t: torch.Tensor) -> tuple[int, int, Links] | None:
+        """Before a call of ``module`` (group b): ``(a, b, links)`` when its argument ``t``
+        consumes only outputs whose gradient already arrives at one other group a's scale (an
+        output an earlier group consumes: T5's encoder output, read by every decoder block), so
+        the gradient the call sends into ``t`` must be converted by S_a / S_b; else None (the
+        links recorded after the call decide, and refuse a mix)."""
+        b = self.module_group[id(module)]
+        found = reached([t], self.mine)
+        consumers = {self.links(tr).consumer.get(k) for tr, k in found}
+        if len(consumers) != 1 or None in consumers or b in consumers:
+            return None
+        return consumers.pop(), b, self.links(found[0][0])
+
     def place_loss(self, outputs: Any, trace: Trace | None) -> int | None:
         """The loss-side group for ``outputs`` (``trace``: the current one): the group already
         consuming a call the loss consumes directly, else the group of the latest such call; None

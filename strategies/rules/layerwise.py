@@ -32,14 +32,15 @@ format's range — which is precisely what scaling is about; the links and their
   ``RuntimeError`` between such a backward and :meth:`unscale_grads`. Then
   ``strategy.scale(loss + penalty).backward()`` is exact.
 * :meth:`unscale_` divides each group's parameter gradients by its own S_l.
-* An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
-  skip connection across a group boundary), is refused with one ``ValueError`` at the forward
-  pass that does it; a skip connection inside a group (ResNet's blocks under the default groups)
-  is exact. Groups that share parameters (tied weights) are merged into one at :meth:`attach`,
-  with one warning (:mod:`strategies.layer_groups`). A model carrying another strategy's hooks is
-  refused at :meth:`attach` (``detach()`` that one first). Not supported: reentrant activation
-  checkpointing inside groups (its inner backward is not a scaled one).
-  ``copy.deepcopy`` of an attached model copies the hooks too: detach first.
+* An output a later group reads again (T5's encoder output, read by every decoder block) is
+  exact: that call's gradient into it is converted at its input to the first consumer's scale
+  (:meth:`GroupLinks.fan_in`). A skip connection whose gradient would mix two scales (an input
+  that also depends on an output consumed at another scale) is refused with one ``ValueError`` at
+  the forward pass that does it; a skip connection inside a group is exact. Tied weights: every
+  module owning a grouped parameter is part of its group, groups sharing one merge (one warning,
+  :mod:`strategies.layer_groups`). A model carrying another strategy's hooks is refused at
+  :meth:`attach`. Not supported: reentrant activation checkpointing inside groups;
+  ``copy.deepcopy`` of an attached model (detach first).
 
 Update (per group, in place, no host sync):
 
@@ -70,7 +71,7 @@ import torch
 from strategies import group_links, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, Trace
+from strategies.boundaries import Boundaries, Trace, fence
 from strategies.group_links import GroupLinks
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
@@ -190,6 +191,7 @@ class LayerwiseStrategy(Strategy):
                 on_grad=lambda trace, i, g: self._rescale(links, trace, i, g),
                 on_call=lambda trace, i: self._current(links, links.on_call, trace, i, self.updates),
                 on_link=lambda trace, i, below: self._current(links, links.on_link, trace, i, below),
+                on_inputs=lambda module, t: self._fan_in(links, module, t),
                 owner=self,
             )
             self._boundaries = boundaries
@@ -234,17 +236,33 @@ class LayerwiseStrategy(Strategy):
         """Attached: the boundaries rescale only the backwards of what :meth:`scale` returns."""
         return scaled if self._handle is None else self._scaled.mark(scaled)
 
+    def _acting(self, links: GroupLinks) -> bool:
+        """In a backward of a loss that went through :meth:`scale`, and of the current attach."""
+        return links is self._links and self.state is not None and self._scaled.active()
+
     def _rescale(self, links: GroupLinks, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b.
-        Only in a backward of a loss that went through :meth:`scale`, and of the current attach."""
-        if links is not self._links or self.state is None or not self._scaled.active():
+        """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b."""
+        if not self._acting(links):
             return None
         a, b, trace_links = links.ends(trace, i)
         s = self.state
         if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
             adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
-        if a == b:
+        return None if a == b else self._convert(trace_links, a, b, grad)
+
+    def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
+        """Before a call of group b: an argument whose gradient must arrive at another group a's
+        scale (:meth:`GroupLinks.fan_in`) is fenced, and the call's gradient into it x S_a / S_b."""
+        found = links.fan_in(module, t) if links is self._links else None
+        if found is None:
             return None
+        a, b, trace_links = found
+        return fence(t, lambda g: self._convert(trace_links, a, b, g) if self._acting(links) else None)
+
+    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient at group b's scale entering group a's side: x S_a / S_b; a non-finite one
+        marks a contaminated and b as having emitted it (overflow attribution)."""
+        s = self.state
         bad = (~torch.isfinite(grad)).any().float()
         s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
         s.emitted[b] = torch.maximum(s.emitted[b], bad)
