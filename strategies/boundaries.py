@@ -31,20 +31,15 @@ the called modules and its users' bookkeeping, never autograd nodes, so nothing 
 outlives the step through it; the graph refers to its trace (the hooks and the node marks below),
 not the other way round.
 
-**Links** (:func:`reached`). The autograd node of each returned view, and the producer's output
-behind it, are marked with their call (``node.metadata``). Walking the graph down from some
-tensors (a call's inputs, a loss) through unmarked nodes (never past a :func:`fence`) finds the calls whose outputs they
-consume through other ops — ``layerwise`` uses this to learn, for each call, which group consumes
-its output. A walk that arrives at a producer's output around its view (an in-place op on the
-view: autograd's ``CopySlices`` sends the gradient to the producer, past the view's hook) moves
-that call's transforms onto a pre-hook of the producer node. Every hooked call walks from its
-inputs, and a strategy's ``scale()`` from the loss, so the move happens before any backward.
+**Links** (:mod:`strategies.graph_walk`). The autograd node of each returned view, and the
+producer's output behind it, are marked with their call; :func:`strategies.graph_walk.reached`
+walks down from some tensors (a call's inputs, a loss) to the calls whose outputs they consume.
 
 **Scaled backwards** (:class:`strategies.scaled_backwards.ScaledBackwards`): a strategy's
 transforms act only on a backward whose loss went through *its* ``scale()``.
 
 **Inputs and nesting.** Each hooked module also gets one forward pre-hook: a user's
-``on_inputs`` may pass a :func:`fence` in place of a tensor argument (``layerwise`` converts
+``on_inputs`` may pass a :func:`strategies.graph_walk.fence` in place of a tensor argument (``layerwise`` converts
 there the gradient a call sends into an output that an earlier group already consumes), and a
 call made while another call of the same user's modules is in progress (an aliased module inside
 a group, a recursion) is nested: that user sees only the outer call.
@@ -60,14 +55,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-__all__ = ["STAGES", "Boundaries", "Trace", "fence", "reached", "tensors_in"]
+from strategies.graph_walk import mark, reached, tensors_in
+
+__all__ = ["STAGES", "Boundaries", "Trace"]
 
 STAGES = ("rescale", "quantize", "observe")
 
-_MARK = "scalelab.boundary"  # node.metadata key: {output_nr: [(trace, call index), ...]}
-_FENCE = "scalelab.fence"  # node.metadata key: walks stop here (see fence)
 
 GradFn = Callable[["Trace", int, torch.Tensor], "torch.Tensor | None"]
 
@@ -93,7 +88,7 @@ class _User:
     on_call: Callable[[Trace, int], None] | None
     on_end: Callable[[Trace], None] | None
     when: Callable[[], bool] | None
-    on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None
+    on_link: Callable[[Trace, int, list[tuple[Trace, int]], list[torch.Tensor]], None] | None = None
     on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None
     owner: Any = None
     seconds: float = 0.0  # host time spent in this user's callbacks so far
@@ -120,54 +115,6 @@ class Handle:
         self._owner._remove(self._user)
 
 
-def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """The tensors in nested lists/tuples/dicts (other iterables are left unread)."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool]) -> list[tuple[Trace, int]]:
-    """The hooked calls ``(trace, i)`` with ``stop(trace, i)`` whose outputs ``tensors`` depend on
-    through other ops: a walk down the autograd graph from the tensors that ends at the marked
-    output of such a call and goes on through everything else (host-side; it visits only the
-    ops between the tensors and those calls). A walk that reaches a call's output around its
-    returned view (an in-place op on the view) moves that call's transforms onto the producer."""
-    found: list[tuple[Trace, int]] = []
-    stack = [(t.grad_fn, t.output_nr) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[tuple[Any, int]] = set()
-    expanded: set[Any] = set()
-    while stack:
-        edge = stack.pop()
-        if edge in seen:
-            continue
-        seen.add(edge)
-        node, nr = edge
-        if _FENCE in node.metadata:
-            continue
-        marks = node.metadata.get(_MARK)
-        hit = False
-        for trace, i, hook, around in marks.get(nr, ()) if marks else ():
-            if around and hook is not None:
-                hook.move_to(node, nr)
-            if stop(trace, i):
-                hit = True
-                if (trace, i) not in found:
-                    found.append((trace, i))
-        if not hit and node not in expanded:
-            expanded.add(node)
-            stack.extend((n, k) for n, k in node.next_functions if n is not None)
-    return found
-
-
-def fence(t: torch.Tensor, hook: Callable[[torch.Tensor], "torch.Tensor | None"]) -> torch.Tensor:
-    """``t`` as a view whose gradient goes through ``hook`` (a tensor hook) and past which no walk
-    (:func:`reached`) goes: a user's ``on_inputs`` returns it to handle, on its own, the
-    gradient one call's input sends down (so the links below it are that user's business)."""
-    out = t.view_as(t)
-    out.grad_fn.metadata[_FENCE] = True
-    out.register_hook(hook)
-    return out
-
-
 def _any(trace: Trace, i: int) -> bool:
     return True
 
@@ -178,8 +125,7 @@ class _Hook:
     walk, :meth:`move_to`) — a pre-hook on the node that produced the output."""
 
     def __init__(self, chain: list[_User], trace: Trace, i: int) -> None:
-        self.chain, self.trace, self.i = chain, trace, i
-        self.moved = False
+        self.chain, self.trace, self.i, self.moved = chain, trace, i, False
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor | None:
         if self.moved:
@@ -218,10 +164,7 @@ class Boundaries:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "Boundaries":
-        inst = cls._instances.get(model)
-        if inst is None:
-            inst = cls._instances[model] = cls(model)
-        return inst
+        return cls._instances.get(model) or cls._instances.setdefault(model, cls(model))
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model_ref = weakref.ref(model)
@@ -254,21 +197,22 @@ class Boundaries:
         on_call: Callable[[Trace, int], None] | None = None,
         on_end: Callable[[Trace], None] | None = None,
         when: Callable[[], bool] | None = None,
-        on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None,
+        on_link: Callable[[Trace, int, list[tuple[Trace, int]], list[torch.Tensor]], None] | None = None,
         on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None,
         owner: Any = None,
     ) -> Handle:
         """Call ``on_call(trace, i)`` at each call of one of ``modules`` (forward, grad enabled),
-        ``on_end(trace)`` when the model's forward returns, and ``on_grad(trace, i, g)`` in
-        backward with the gradient of call ``i``'s output (return a replacement or ``None``).
-        ``when()``, if given, is asked at each call in forward: False leaves this call's gradient
-        untouched by ``on_grad`` (decided in forward, so a backward run later agrees).
-        ``on_link(trace, i, below)``: at each call, this user's earlier calls whose outputs the
-        call's tensor arguments consume (:func:`reached`). ``on_inputs(module, t)``: before each
-        call, each tensor argument that requires grad; a returned tensor (a :func:`fence`) is passed
-        instead. A call made inside another call of the same user's modules (an aliased module, a
-        recursion) is nested: that user sees only the outer one. ``owner`` (a strategy): refused with
-        one ``ValueError`` while another owner has hooks on this model or on one of its modules."""
+        ``on_end(trace)`` when the model's forward returns, and ``on_grad(trace, i, g)`` in backward
+        with the gradient of call ``i``'s output (return a replacement or ``None``). ``when()``, if
+        given, is asked at each call in forward: False leaves this call's gradient untouched by
+        ``on_grad`` (decided in forward, so a backward run later agrees). ``on_link(trace, i, below,
+        leaves)``: at each call, this user's earlier calls whose outputs the call's tensor arguments
+        consume, and the leaves the ops between use (:func:`reached`). ``on_inputs(module, t)``:
+        before each call, each tensor argument that requires grad; a returned tensor (a
+        :func:`strategies.graph_walk.fence`) is passed instead. A call made inside another call of
+        the same user's modules (an aliased module, a recursion) is nested: that user sees only the
+        outer one. ``owner`` (a strategy): refused with one ``ValueError`` while another owner has
+        hooks on this model or on one of its modules."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
         modules = list(modules)
@@ -375,9 +319,10 @@ class Boundaries:
             if u.on_call is not None:
                 _timed(u, u.on_call, trace, i)
             if u.on_link is not None:
-                below = _timed(u, reached, inputs,
-                               lambda tr, k, u=u: id(tr.calls[k]) in u.modules)  # type: ignore[misc]
-                _timed(u, u.on_link, trace, i, below)
+                leaves: list[torch.Tensor] = []
+                mine = u.modules
+                below = _timed(u, reached, inputs, lambda tr, k: id(tr.calls[k]) in mine, leaves)
+                _timed(u, u.on_link, trace, i, below, leaves)
         chain = [u for u in users if u.on_grad is not None and (u.when is None or u.when())]
         hook = _Hook(chain, trace, i) if chain else None
 
@@ -387,7 +332,7 @@ class Boundaries:
             out = t.view_as(t)  # consumers' side of the boundary; the module's own ops keep t
             for node, nr, around in ((out.grad_fn, 0, False), (t.grad_fn, t.output_nr, True)):
                 if node is not None:
-                    node.metadata.setdefault(_MARK, {}).setdefault(nr, []).append((trace, i, hook, around))
+                    mark(node, nr, trace, i, hook, around)
             if hook is not None:
                 out.register_hook(hook)
             return out

@@ -35,7 +35,8 @@ from typing import Any, Sequence
 
 import torch
 
-from strategies.boundaries import Trace, reached, tensors_in
+from strategies.boundaries import Trace
+from strategies.graph_walk import reached, tensors_in
 
 __all__ = ["GroupLinks", "Links", "StraightThrough", "Unscale", "link", "rescale", "times", "unscale"]
 
@@ -101,9 +102,11 @@ class GroupLinks:
     forward passes told about them: the :class:`Links` of each trace (keyed by this object in
     ``trace.data``) and the groups called since the last update."""
 
-    def __init__(self, names: list[str], module_group: dict[int, int]) -> None:
+    def __init__(self, names: list[str], module_group: dict[int, int], param_group: dict[int, int] | None = None,
+                 param_names: dict[int, str] | None = None) -> None:
         self.names = names
         self.module_group = module_group
+        self.param_group, self.param_names = param_group or {}, param_names or {}
         self.called: set[int] = set()
         self.called_at = -1  # the update the called groups belong to
 
@@ -125,12 +128,28 @@ class GroupLinks:
             self.called, self.called_at = set(), updates
         self.called.add(self.group_of(trace, i))
 
-    def on_link(self, trace: Trace, i: int, below: list[tuple[Trace, int]]) -> None:
-        """Call i's tensor arguments consume the outputs of ``below``: their gradient arrives at
-        call i's group's scale."""
+    def on_link(self, trace: Trace, i: int, below: list[tuple[Trace, int]], leaves: list[torch.Tensor]) -> None:
+        """Call i's tensor arguments consume the outputs of ``below`` (and ``leaves``, through the
+        ops between): their gradient arrives at call i's group's scale."""
         g = self.group_of(trace, i)
         for tr, k in below:
             link(self.links(tr), k, g, self.names[self.group_of(tr, k)], f"group {self.names[g]!r}", self.names)
+        self.refuse_glue(leaves, g)
+
+    def refuse_glue(self, leaves: list[torch.Tensor], g: int) -> None:
+        """Raise ``ValueError`` for a grouped parameter of another group than g used by the ops
+        whose gradient carries g's scale, outside the calls of its group's modules (``F.linear(x,
+        self.wte.weight)`` in a parent's forward; the members of a group that is a ModuleList):
+        its gradient would mix two scales."""
+        for p in leaves:
+            own = self.param_group.get(id(p), g)
+            if own != g:
+                raise ValueError(
+                    f"layerwise: parameter {self.param_names.get(id(p), '?')!r} (group {self.names[own]!r}) is used "
+                    f"outside the calls of its group's modules, by ops at group {self.names[g]!r}'s scale (a "
+                    "functional use in a parent's forward, or a group of modules never called themselves, such as a "
+                    "ModuleList): its gradient would mix two scales. Use it through a module that owns it, or pass "
+                    "groups=[...] patterns of modules that are called, with such a parent in one group")
 
     def fan_in(self, module: torch.nn.Module, t: torch.Tensor) -> tuple[int, int, Links] | None:
         """Before a call of ``module`` (group b): ``(a, b, links)`` when its argument ``t``
@@ -154,7 +173,8 @@ class GroupLinks:
         current = trace.data.get(self) if trace is not None else None
         if current is not None and current.double:
             return current.loss_group
-        found = reached(tensors_in(outputs), self.mine)
+        leaves: list[torch.Tensor] = []
+        found = reached(tensors_in(outputs), self.mine, leaves)
         if not found:
             return None
         labels = [self.links(tr).consumer[k] for tr, k in found if k in self.links(tr).consumer]
@@ -167,6 +187,7 @@ class GroupLinks:
         for tr, k in found:
             link(self.links(tr), k, group, self.names[self.group_of(tr, k)], by, self.names)
             self.links(tr).loss_group = group
+        self.refuse_glue(leaves, group)
         return group
 
     def ends(self, trace: Trace, i: int) -> tuple[int, int, Links]:

@@ -71,7 +71,8 @@ import torch
 from strategies import group_links, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, Trace, fence
+from strategies.boundaries import Boundaries, Trace
+from strategies.graph_walk import fence
 from strategies.group_links import GroupLinks
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
@@ -183,14 +184,15 @@ class LayerwiseStrategy(Strategy):
             return self
         resolved, param_group = layer_groups.assign(model, self.params.groups)
         modules = [m for _, mods in resolved for m in mods]
-        links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods})
+        links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods},
+                           param_group, {id(p): n for n, p in model.named_parameters()})
         if modules:
             boundaries = Boundaries.of(model)
             self._handle = boundaries.register(
                 "rescale", modules,
                 on_grad=lambda trace, i, g: self._rescale(links, trace, i, g),
                 on_call=lambda trace, i: self._current(links, links.on_call, trace, i, self.updates),
-                on_link=lambda trace, i, below: self._current(links, links.on_link, trace, i, below),
+                on_link=lambda trace, i, below, leaves: self._current(links, links.on_link, trace, i, below, leaves),
                 on_inputs=lambda module, t: self._fan_in(links, module, t),
                 owner=self,
             )

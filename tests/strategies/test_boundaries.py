@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from strategies.boundaries import Boundaries, fence
+from strategies.boundaries import Boundaries
+from strategies.graph_walk import fence
 from strategies.model_layers import layers
 
 
@@ -212,7 +213,7 @@ def test_on_inputs_replaces_an_argument_and_walks_stop_at_its_fence() -> None:
     seen: list[torch.Tensor] = []
     h = b.register("rescale", [model[0], model[2]],
                    on_inputs=lambda m, t: fence(t, lambda g: seen.append(g) or g * 2.0) if m is model[2] else None,
-                   on_link=lambda t, i, found: below.append([k for _, k in found]))
+                   on_link=lambda t, i, found, leaves: below.append([k for _, k in found]))
     x = torch.randn(8, 4)
     F.mse_loss(model(x), torch.ones(8, 1)).backward()
     grads = [p.grad.clone() for p in model.parameters()]

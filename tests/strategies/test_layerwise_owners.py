@@ -206,3 +206,31 @@ def test_an_overflow_sent_into_an_output_read_again_is_blamed_on_the_group_that_
     blamed = [n for n, o in zip(s.group_names, s.telemetry()["overflow_origin"].tolist()) if o]
     assert blamed == ["decoder.block.1"]
     assert (s.telemetry()["scales"] / before).tolist() == [1.0 if n not in blamed else 0.5 for n in s.group_names]
+
+
+class FunctionalHead(nn.Module):
+    """Logits from the embedding's weight in the model's own forward (no module owns that use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = nn.Embedding(V, W)
+        self.block = nn.ModuleList([Block(), Block()])
+        self.ln_f = nn.LayerNorm(W)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for b in self.block:
+            h = b(h)
+        return F.linear(self.ln_f(h), self.embed.weight)
+
+
+def test_a_parameter_used_outside_every_module_owning_it_is_refused_naming_it() -> None:
+    """Its contribution would come at the loss side's scale and be unscaled by its group's."""
+    model = FunctionalHead()
+    s = strategies.create("layerwise").attach(model)
+    assert s.group_names == ["embed", "block.0", "block.1", "ln_f"]
+    s.scale(torch.ones(()))
+    with pytest.raises(ValueError, match=r"parameter 'embed\.weight' \(group 'embed'\) is used outside the calls of "
+                                         r"its group's modules, by ops at group 'ln_f''s scale"):
+        s.scale(token_loss(model))
