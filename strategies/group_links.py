@@ -17,9 +17,15 @@ result leaves the format's range (seed 003, section 3.3):
   them, else the group of the latest: the group nearest the loss). Several models feeding one
   loss, several losses (``retain_graph=True``), an auxiliary loss on an inner activation at the
   scale of the group consuming it: all exact.
-* An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
-  skip connection across a group boundary), is refused with one ``ValueError`` (:func:`link`) at
-  the forward pass that does it; a skip connection inside a group is exact.
+* An output read again by a later call of another group c (T5's encoder output, read by every
+  decoder block) is exact: before that call, an argument that consumes only outputs already
+  consumed at one group a's scale is fenced (:meth:`GroupLinks.fan_in`), and the gradient the
+  call sends into it is multiplied by ``S_a / S_c`` there, so the ops below keep a's scale.
+  Any other output consumed at two scales (an argument that mixes it with outputs consumed
+  elsewhere, a loss scaled at another group's scale: a skip connection across a group boundary)
+  is refused with one ``ValueError`` (:func:`link`) at the forward pass that does it; a skip
+  connection inside a group is exact. So is a grouped parameter that the ops between group calls
+  use at another group's scale (:meth:`GroupLinks.refuse_glue`).
 * Gradient penalty: in a create_graph backward each boundary returns ``g * S_a/S_b`` with
   derivative 1 (:class:`StraightThrough`), and :func:`unscale` returns each parameter gradient
   ``g / S_l`` with derivative ``1 / S_out`` (``S_out`` the loss-side scale): in the second

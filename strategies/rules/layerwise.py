@@ -36,7 +36,8 @@ format's range — which is precisely what scaling is about; the links and their
   exact: that call's gradient into it is converted at its input to the first consumer's scale
   (:meth:`GroupLinks.fan_in`). A skip connection whose gradient would mix two scales (an input
   that also depends on an output consumed at another scale) is refused with one ``ValueError`` at
-  the forward pass that does it; a skip connection inside a group is exact. Tied weights: every
+  the forward pass that does it, as is a grouped parameter used outside its group's module calls
+  at another group's scale; a skip connection inside a group is exact. Tied weights: every
   module owning a grouped parameter is part of its group, groups sharing one merge (one warning,
   :mod:`strategies.layer_groups`). A model carrying another strategy's hooks is refused at
   :meth:`attach`. Not supported: reentrant activation checkpointing inside groups;
