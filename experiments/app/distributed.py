@@ -56,7 +56,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from experiments.app import gpu_slots
-from strategies.boundaries import layers
+from strategies.model_layers import layers
 
 __all__ = [
     "DistInfo",
@@ -268,9 +268,9 @@ def wrap_model(model: nn.Module, info: DistInfo, mode: str = "ddp", **ddp_kwargs
     ``norm_ratio`` fp32 reference closure on the plain model (``model.module`` under DDP): a forward
     through the DDP wrapper arms its gradient reducer, which ``torch.autograd.grad`` never fires.
 
-    ``mode="fsdp2"`` (torchtitan's recipe): ``fully_shard`` on each of the model's layers
-    (:func:`strategies.boundaries.layers`: its declared ``boundaries``) that owns parameters, then
-    on the root; the model is changed in place (its parameters become DTensor shards, the same
+    ``mode="fsdp2"`` (torchtitan's recipe): ``fully_shard`` on each of the model's layers that owns
+    parameters (:func:`strategies.model_layers.layers`: its declared ``boundaries``, else its
+    repeated blocks), then on the root; the model is changed in place (its parameters become DTensor shards, the same
     initial values on every rank: the init is seeded alike) and returned. The strategies detect the
     sharded gradients (``distributed="auto"``); attach and the reference closure take this model.
     """

@@ -181,10 +181,12 @@ print(d.text()); d.exit_code
 ```
 
 The doctor re-runs one step of the model on one batch: a mixed forward under autocast with
-forward hooks and a backward at the current scale with full backward hooks (and, when that
+forward hooks (which see positional and keyword arguments alike: HF models pass every input by
+keyword) and a backward at the current scale with full backward hooks (and, when that
 overflows, a backward at S = 1 through the same graph), and an fp32 forward and backward as the
 reference. It names the first module whose output (forward) or input gradient (backward) leaves
-the format's range, with the value the fp32 pass gives there, the per-layer underflow damage
+the format's range, with the value the fp32 pass gives there (a forward culprit is re-run in
+fp32 with its own arguments, a key-value cache left out), the per-layer underflow damage
 (lost nonzero entries, cosine against fp32) at the current scale and at the scale each
 registered strategy would choose, and the cause, from this decision list (first match wins):
 """

@@ -37,10 +37,12 @@ import torch
 
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, ScaledBackwards, layers
+from strategies.boundaries import Boundaries
 from strategies.formats import FP16_MIN_NORMAL
+from strategies.model_layers import layers
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
+from strategies.scaled_backwards import ScaledBackwards
 from strategies.sharding import refuse_flat_params
 from strategies.state import State
 from strategies.stats import E_BINS, E_LO, GradStats, exponent_histogram
