@@ -1,5 +1,6 @@
 """The run options the loop reads, typed: :class:`RunConfig` (``seed``, ``device``, ``threads``,
-``sweep``, ``tags``), its :class:`TrainConfig` (``train.*``) and :class:`RegimeConfig` (``regime.*``).
+``sweep``, ``tags``), its :class:`TrainConfig` (``train.*``), :class:`RegimeConfig` (``regime.*``)
+and :class:`DistributedConfig` (``distributed.*``).
 
 Each option is declared once, as a strategy's ``Params`` field is (:func:`strategies.params.hp`):
 its type, default, allowed range (a check from :mod:`strategies.validation`), source and meaning.
@@ -34,7 +35,7 @@ from experiments.app.build import ConfigError, check_targets, one_line
 from strategies import validation as v
 from strategies.params import hp
 
-__all__ = ["RunConfig", "TrainConfig", "RegimeConfig", "Options", "composed", "GROUPS"]
+__all__ = ["RunConfig", "TrainConfig", "RegimeConfig", "DistributedConfig", "Options", "composed", "GROUPS"]
 
 GROUPS = ("model", "data", "precision", "strategy", "regime", "logger", "train", "optimizer")
 """The mappings every composed config has."""
@@ -169,6 +170,17 @@ class RegimeConfig(Options):
         return self.loss_multiplier * (self.spike_factor if step in self.spike_steps else 1.0)
 
 
+@dataclass(frozen=True)
+class DistributedConfig(Options):
+    """``distributed.*``: how a run of several ranks (torchrun, submitit tasks) spreads the model."""
+
+    prefix: ClassVar[str] = "distributed."
+
+    mode: str = hp("ddp", v.named("ddp", "fsdp2"), "torch DDP; torch FSDP2 (fully_shard)",
+                   "ddp: every rank holds the model, gradients all-reduced | fsdp2: fully_shard on every layer "
+                   "and the root, parameters and gradients sharded over the ranks (one process: ignored)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(Options):
     """The run-level options of a composed config, validated (see the module docstring)."""
@@ -181,6 +193,7 @@ class RunConfig(Options):
     tags: tuple[str, ...] = hp((), _strings, "scalelab", "extra W&B tags")
     train: TrainConfig
     regime: RegimeConfig
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -196,7 +209,8 @@ class RunConfig(Options):
         run = {f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.name in resolved}
         try:
             return cls(**{**run, "train": TrainConfig.from_node(run["train"]),
-                          "regime": RegimeConfig.from_node(run["regime"])})
+                          "regime": RegimeConfig.from_node(run["regime"]),
+                          "distributed": DistributedConfig.from_node(run.get("distributed", {}))})
         except ValueError as exc:
             raise ConfigError(one_line(exc)) from None
 

@@ -131,7 +131,7 @@ def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: 
     data = build_data(cfg)
     dist.seed_everything(run_cfg.seed)
     raw_model = build_model(cfg, data).to(info.device)
-    model = dist.wrap_model(raw_model, info)
+    model = dist.wrap_model(raw_model, info, run_cfg.distributed.mode)
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     strategy = build_strategy(cfg)
@@ -147,8 +147,7 @@ def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: 
     lr_for = run_cfg.train.lr_schedule(optimizer.param_groups[0]["lr"])  # the base rate, before a resumed state
     if state is not None:
         try:
-            raw_model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            dist.load_full_state(raw_model, optimizer, state["model"], state["optimizer"])
             strategy.load_state_dict(state["strategy"])
             ckpt.restore_rng(state["rng"])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
@@ -269,8 +268,10 @@ def _finish(parts: Parts, rec: Recorder, at: _Position, exit_code: int) -> dict:
     parts.hooks.remove()
     if callable(getattr(parts.strategy, "detach", None)):
         parts.strategy.detach()
+    # the doctor re-runs the model on rank 0 alone: not on FSDP2 shards (their forward needs every rank)
+    alone = parts.info.is_main and not dist.is_sharded(parts.raw_model)
     diag = diagnosis.diagnose_run(rec.rundir.path, parts.raw_model, recipe.loss, parts.batch, parts.precision,
-                                  parts.strategy, parts.lr_for, at.step, at.status, at.error) if parts.info.is_main else None
+                                  parts.strategy, parts.lr_for, at.step, at.status, at.error) if alone else None
     summary = rec.summary(at.status, diagnosis.annotate(at.status, at.error, diag))
     if diag is not None:
         summary["diagnosis"] = diag.cause

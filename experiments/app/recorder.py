@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.app import checkpoint as ckpt
-from experiments.app import records, telemetry
+from experiments.app import distributed as dist, records, telemetry
 from experiments import schema
 from experiments.app.build import instantiate_loggers
 from experiments.app.config import RunConfig
@@ -146,13 +146,17 @@ class Recorder:
 
     def checkpoint(self, step: int, status: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    strategy: Any) -> None:
-        """Rank 0 (when ``train.checkpoint_every > 0``): everything a resume needs, atomically."""
-        if not (self.main and self.run.train.checkpoint_every > 0):
+        """Rank 0 (when ``train.checkpoint_every > 0``): everything a resume needs, atomically (under
+        FSDP2 every rank first helps gather the full state dicts: :func:`distributed.full_state`)."""
+        if self.run.train.checkpoint_every <= 0:
+            return
+        model_state, optim_state = dist.full_state(model, optimizer)
+        if not self.main:
             return
         ckpt.save(
             self.rundir.path / schema.CHECKPOINT_NAME,
             {"step": step, "status": status, "config": records.redact(self.resolved),
-             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "model": model_state, "optimizer": optim_state,
              "strategy": strategy.state_dict(), "rng": ckpt.capture_rng(), "data_position": step,
              "counters": dict(self.counters), "loss_window": self.losses.state()},
         )

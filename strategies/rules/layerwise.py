@@ -80,6 +80,7 @@ from strategies.registry import register_strategy
 from strategies.rules import adaloss
 from strategies.rules.layerwise_update import RULES, layerwise_update_
 from strategies.rules.max_ema import MaxEmaRule
+from strategies.sharding import refuse_flat_params
 from strategies.scaled_backwards import ScaledBackwards
 from strategies.state import State
 from strategies.stats import GradStats
@@ -183,6 +184,7 @@ class LayerwiseStrategy(Strategy):
         self.detach()
         if not self.params.enabled:
             return self
+        refuse_flat_params(model, self.name)
         resolved, param_group = layer_groups.assign(model, self.params.groups)
         modules = [m for _, mods in resolved for m in mods]
         links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods},
