@@ -25,7 +25,7 @@ from experiments.app.config import RunConfig
 from experiments.app.loggers import RunInfo
 from experiments.workloads.precision import Precision
 from experiments.app.train import CONF_DIR, GROUPS, group_options
-from tests.experiments.runs import QUIET, TINY, compose_cfg
+from tests.experiments.runs import QUIET, TINY, cli, compose_cfg
 
 # Which tiny model goes with each data option, and which data with each model option.
 def tiny_for_model(option: str) -> str:
@@ -212,3 +212,24 @@ def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch: pytest.
     with pytest.raises(ConfigError, match=r"^the configuration does not resolve: ") as err:
         RunConfig.from_hydra(compose_cfg("seed=${oc.env:SCALELAB_SURELY_UNSET}"))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["~model._target_"], "model has no _target_ (a partial model config: "),
+    (["model=mlp", "data=vectors", "~data._target_"], "data has no _target_ (a partial data config: "),
+    (["model.n_embd=???"], "model.n_embd has no value (??? in the composed config): set it on the command line"),
+    (["model.n_embd=???", "model.n_head=???"], "model.n_embd, model.n_head have no value"),
+])
+def test_a_partial_group_config_is_one_line_before_hydra_writes(tmp_path: Path, overrides: list[str],
+                                                               message: str) -> None:
+    """Issue 29: a model or data group without its ``_target_`` or with a value left ``???`` ended in
+    a Python traceback (``KeyError: '_target_'``, ``MissingMandatoryValue``) once Hydra had started."""
+    run_dir = tmp_path / "run"
+    proc = cli(*overrides, *QUIET, "train.steps=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"scalelab-train: error: {message}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_hydra(compose_cfg(*overrides))
+    assert str(err.value).startswith(message)
