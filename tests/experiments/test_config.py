@@ -3,6 +3,10 @@ refused with one-line errors naming the option; ``instantiate`` is restricted.""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,7 @@ from experiments.app.config import RunConfig
 from experiments.app.loggers import RunInfo
 from experiments.workloads.precision import Precision
 from experiments.app.train import CONF_DIR, GROUPS, group_options
-from tests.experiments.runs import QUIET, TINY, cli, compose_cfg
+from tests.experiments.runs import QUIET, REPO, TINY, cli, compose_cfg
 
 # Which tiny model goes with each data option, and which data with each model option.
 def tiny_for_model(option: str) -> str:
@@ -178,6 +182,36 @@ def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
         build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(1))])
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert "antigravity" not in sys.modules
+
+
+REFUSED_TARGETS = ["torch._dynamo.foo", "torch._inductor.config", "torch.onnx.export", "os.system",
+                   "torch.distributed.run.main", "experiments.app.checkpoint.torch._dynamo.reset",
+                   "strategies.doctor.diagnose", "torch.optim.Optimizer.__init__.__globals__"]
+
+
+def test_judging_a_refused_target_imports_nothing() -> None:
+    """Issue 29: resolving ``torch._dynamo.foo`` to refuse it imported ``torch._dynamo`` (torch's
+    lazy module ``__getattr__``). In a fresh process, every refusal leaves ``sys.modules`` as it was."""
+    code = ("import sys, json\n"
+            "from experiments.app.build import ConfigError, check_targets\n"
+            "import experiments.app.checkpoint\n"
+            f"targets = {REFUSED_TARGETS!r}\n"
+            "before = set(sys.modules)\n"
+            "out = []\n"
+            "for t in targets:\n"
+            "    try:\n"
+            "        check_targets({'_target_': t}, 'optimizer')\n"
+            "        out.append([t, 'accepted'])\n"
+            "    except ConfigError as exc:\n"
+            "        out.append([t, str(exc)])\n"
+            "print(json.dumps({'new': sorted(set(sys.modules) - before), 'out': out}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["new"] == []
+    for target, message in result["out"]:
+        assert message.startswith(f"optimizer._target_={target!r} is not allowed ("), message
 
 
 @pytest.mark.parametrize("group", ["strategy", "model", "data", "optimizer"])
