@@ -33,6 +33,7 @@ __all__ = [
     "LOCK_NAME",
     "REPLACED_PREFIX",
     "REPLACED_SUFFIX",
+    "SEGMENT_KEYS",
     "EVAL_FIELDS",
     "FIDELITY_FIELDS",
     "Field",
@@ -157,7 +158,13 @@ SUMMARY_FIELDS = _fields(
     Field("diagnosis", str, "the doctor's cause (one of strategies.doctor.CAUSES) when it diagnosed the run", optional=True),
     Field("diverged", bool, "status == diverged"),
     Field("fingerprint", "dict", "git_sha, git_dirty, config, overrides, torch_version, device, hostname"),
+    Field("segments", "list", "one entry per process that ran part of the run, oldest first: start_step "
+          "(the checkpoint step it resumed from, 0 for the first), steps (its train.steps), git_sha, git_dirty, "
+          "torch_version, device, hostname (SEGMENT_KEYS)", optional=True),
 )
+
+SEGMENT_KEYS = ("start_step", "steps", "git_sha", "git_dirty", "torch_version", "device", "hostname")
+"""The keys of one ``segments`` entry of ``summary.json`` (and of the checkpoint's ``segments``)."""
 
 DIAGNOSIS_FIELDS = _fields(
     Field("status", str, "the run's status when the doctor ran (diverged, stalled or failed)"),

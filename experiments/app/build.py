@@ -79,8 +79,11 @@ def one_line(text: object) -> str:
 
 
 def resolve(target: str) -> Any:
-    """The object ``target`` names, through already-loaded modules only (nothing is imported);
-    ``None`` when it names none."""
+    """The object ``target`` names, through already-loaded modules only; ``None`` when it names none.
+
+    Judging a name runs no code of it: attributes are looked up statically
+    (``inspect.getattr_static``), so neither a module's lazy ``__getattr__`` (torch's imports
+    ``torch._dynamo`` on first access) nor a property runs, and nothing is imported."""
     parts = target.split(".")
     for cut in range(len(parts), 0, -1):
         module = sys.modules.get(".".join(parts[:cut]))
@@ -88,7 +91,7 @@ def resolve(target: str) -> Any:
             continue
         obj: Any = module
         for name in parts[cut:]:
-            obj = getattr(obj, name, None)
+            obj = inspect.getattr_static(obj, name, None)
             if obj is None:
                 return None
         return obj

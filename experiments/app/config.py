@@ -39,6 +39,8 @@ __all__ = ["RunConfig", "TrainConfig", "RegimeConfig", "DistributedConfig", "Opt
 
 GROUPS = ("model", "data", "precision", "strategy", "regime", "logger", "train", "optimizer")
 """The mappings every composed config has."""
+_BUILT = ("model", "data", "strategy", "optimizer")
+"""The groups built from their ``_target_``."""
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 O = TypeVar("O", bound="Options")
 
@@ -231,17 +233,27 @@ def _optimizer_values(node: dict, path: str = "optimizer") -> None:
 def composed(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` resolved, after the checks of the whole config, each a one-line ``ConfigError``: it
     resolves (interpolations such as ``${oc.env:X}`` included), each of :data:`GROUPS` is a mapping,
+    no value is missing (``???``), model, data, strategy and optimizer each name a ``_target_``,
     every ``_target_`` is allowed (:func:`experiments.app.build.check_targets`) and every optimizer
     number is finite and >= 0. The groups' own values are checked by their constructors
     (``safe_instantiate`` turns those errors into one line)."""
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
     except Exception as exc:  # noqa: BLE001 - any resolution failure is a bad value on the command line
         raise ConfigError(f"the configuration does not resolve: {one_line(exc)[:300]}") from None
     assert isinstance(resolved, dict)
     for group in GROUPS:
         if not isinstance(resolved.get(group), dict):
             raise ConfigError(f"config group {group!r} is missing or not a mapping")
+    if missing:
+        raise ConfigError(f"{', '.join(missing[:6])} {'has' if len(missing) == 1 else 'have'} no value (??? in the "
+                          f"composed config): set {'it' if len(missing) == 1 else 'each'} on the command line, "
+                          f"e.g. {missing[0]}=<value>")
+    for group in _BUILT:  # built from their _target_: a partial group (one without it) is refused here
+        if "_target_" not in resolved[group]:
+            raise ConfigError(f"{group} has no _target_ (a partial {group} config: conf/{group}/<option>.yaml "
+                              f"names the class to build); choose a complete {group}=<option>")
     check_targets(resolved, "")
     _optimizer_values(resolved["optimizer"])
     return resolved

@@ -80,6 +80,9 @@ class Recorder:
             self.counters.update(state["counters"])
             self.start_step = int(state["step"])
         self.saved_at = self.start_step  # the step a restart resumes from
+        # Which code, torch and host ran which steps (a resume may run on another commit or machine).
+        self.segments = records.segments(state, self.fingerprint, run.train.steps,
+                                         None if state is None else records.read_json(self.summary_path))
         self.losses = LossWindow(device, None if state is None else state["loss_window"])
         self.writer = records.MetricsWriter(None)
         self.loggers: list = []
@@ -158,7 +161,7 @@ class Recorder:
             {"step": step, "status": status, "config": records.redact(self.resolved),
              "model": model_state, "optimizer": optim_state,
              "strategy": strategy.state_dict(), "rng": ckpt.capture_rng(), "data_position": step,
-             "counters": dict(self.counters), "loss_window": self.losses.state()},
+             "counters": dict(self.counters), "loss_window": self.losses.state(), "segments": self.segments},
         )
         self.saved_at = step
 
@@ -166,7 +169,7 @@ class Recorder:
         """The summary of rank 0's record (every rank reads it from the shared file system)."""
         rows = records.read_metrics(self.metrics_path)
         return {"status": status, "error": error, **self.head, **records.summarize(rows, self.counters),
-                "diverged": status == "diverged", "fingerprint": self.fingerprint}
+                "diverged": status == "diverged", "fingerprint": self.fingerprint, "segments": self.segments}
 
     def finish(self, summary: dict, exit_code: int) -> None:
         """Rank 0: write the final ``summary.json`` and close the loggers with it."""

@@ -63,7 +63,6 @@ Without :meth:`attach` it is a single-group strategy (max-EMA with power-of-two 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -95,7 +94,7 @@ def _is_pow2(x: float) -> bool:
 @dataclass
 class LayerwiseParams(MaxEmaRule, ScalerParams):
     init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1",
-                           "every group's initial scale; rounded down to a power of two (one warning)")
+                           "every group's initial scale, a power of two")
     growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
                                         "None = 1 for rule max_ema, 2000 for rule backoff_growth")
     groups: Optional[List[str]] = hp(None, v.patterns, "scalelab",
@@ -110,11 +109,10 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
         super().check()
         if self.growth_interval is None:
             self.growth_interval = 2000 if self.rule == "backoff_growth" else 1
-        if not _is_pow2(self.init_scale):  # any positive finite scale, as GradScaler takes (3.0, 1e38)
-            rounded = 2.0 ** math.floor(math.log2(self.init_scale))
-            warnings.warn(f"layerwise: init_scale {self.init_scale!r} rounded down to the power of two {rounded!r} "
-                          "(group scales are powers of two so that boundary rescaling is exact)", stacklevel=5)
-            self.init_scale = rounded
+        if not _is_pow2(self.init_scale):  # refused, not rounded: the record would name a scale never used
+            low = 2.0 ** math.floor(math.log2(self.init_scale))
+            v.fail("init_scale", f"a power of two, e.g. {low!r} or {2 * low!r} (group scales are powers of two so "
+                   "that boundary rescaling is exact)", self.init_scale)
         lo, hi = self.pow2_bounds
         if lo is not None and hi is not None and lo > hi:
             v.fail("max_scale", f"a bound leaving a power of two in [min_scale={self.min_scale:g}, max_scale]",

@@ -27,7 +27,7 @@ SUMMARY_KEYS = {
     "status", "error", "strategy", "precision", "model", "data", "regime", "workload", "seed", "sweep",
     "steps", "final_train_loss", "final_eval_loss", "best_eval_loss", "final_eval_metric",
     "skipped_steps", "mean_step_time_s", "strategy_overhead_s", "strategy_overhead_frac", "diverged",
-    "fingerprint",
+    "fingerprint", "segments",
 }
 
 
