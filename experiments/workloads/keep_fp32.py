@@ -15,8 +15,8 @@ run under the precision's autocast. With no autocast active (an fp32 run) nothin
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+import types
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,15 +28,14 @@ def _fp32(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def _wrapped(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def fp32_forward(*args: Any, **kwargs: Any) -> Any:
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        device_type = first.device.type if first is not None else "cpu"
-        with torch.autocast(device_type, enabled=False):
-            return forward(*(_fp32(a) for a in args), **{k: _fp32(a) for k, a in kwargs.items()})
-
-    return fp32_forward
+def _fp32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The module's class ``forward`` with autocast off and floating-point arguments in fp32.
+    Bound to the instance (``types.MethodType``), so a ``copy.deepcopy`` of the model (a frozen
+    reference policy) rebinds it to the copy."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    device_type = first.device.type if first is not None else "cpu"
+    with torch.autocast(device_type, enabled=False):
+        return type(self).forward(self, *(_fp32(a) for a in args), **{k: _fp32(a) for k, a in kwargs.items()})
 
 
 def keep_in_fp32(model: nn.Module, names: list[str] | tuple[str, ...]) -> list[str]:
@@ -50,5 +49,5 @@ def keep_in_fp32(model: nn.Module, names: list[str] | tuple[str, ...]) -> list[s
             raise ValueError(f"model.keep_fp32 names a module the model does not have: {name!r} (top-level "
                              f"modules: {known})")
         module = modules[name]
-        module.forward = _wrapped(module.forward)  # type: ignore[method-assign]  # this instance only
+        module.forward = types.MethodType(_fp32_forward, module)  # type: ignore[method-assign]  # this instance only
     return list(names)

@@ -28,7 +28,9 @@ FP8 = ["precision=fp8_e5m2", "regime=plain"]
 CONTROLS = ["precision=fp32,bf16", "strategy=none"]
 SEEDS = [0, 1, 2, 3, 4]
 PRESETS = {"megatron", "deepspeed", "deepspeed_consecutive", "fairseq", "te_delayed", "max_ema_capped",
-           "layerwise_capped"}  # industry presets of one rule: left to strategy='glob(*)'
+           "layerwise_capped",  # industry presets of one rule: left to strategy='glob(*)'
+           "verl", "areal", "oat", "metaseq", "static8", "min_scale_1e-10", "fairseq_tolerance", "hysteresis2",
+           "init_2p32"}  # the court's presets and remedies (conf/experiment/court_*.yaml)
 
 
 def _compose(conf_dir: Path, overrides: list[str]) -> DictConfig:

@@ -4,6 +4,7 @@ or foreign file refused with a one-line error, the model holding the cached weig
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -133,3 +134,16 @@ def test_keep_in_fp32_runs_the_module_in_fp32_under_autocast() -> None:
     assert model[1].weight.grad.dtype == torch.float32
     with pytest.raises(ValueError, match="model.keep_fp32 names a module the model does not have: 'head'"):
         keep_in_fp32(model, ["head"])
+
+
+def test_a_deep_copy_keeps_its_own_fp32_module() -> None:
+    """The frozen reference policy is a deep copy: its kept module must run its own weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    keep_in_fp32(model, ["1"])
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref[1].weight.zero_()
+        ref[1].bias.zero_()
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(ref(x), torch.zeros(3, 2)) and not torch.equal(model(x), torch.zeros(3, 2))
