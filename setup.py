@@ -3,7 +3,7 @@
 They stay at the root for users of the checkout (``make``, the README, editable installs read
 them there). A built wheel copies them into the package that reads them:
 ``experiments/conf`` (the Hydra config tree, :data:`experiments.app.train.CONF_DIR`) and
-``strategies/cuda`` (the extension sources, :func:`strategies.kernels.source_dir`). The sdist
+``strategies/cuda`` (the extension sources, :func:`strategies.kernel_build.source_dir`). The sdist
 carries the root folders (``MANIFEST.in``), so a wheel built from it gets the same copies.
 Everything else is declared in ``pyproject.toml``.
 """

@@ -1,38 +1,40 @@
 """The Strategy base class: ``torch.amp.GradScaler``'s state machine around one declared rule.
 
 A strategy is used exactly like GradScaler (``torch/amp/grad_scaler.py``): ``scale(loss)``,
-``backward()``, optional ``unscale_(optimizer)``, ``step(optimizer)``, ``update()``. A rule is three declarations and one function (see :class:`Strategy` for the list): its
-hyper-parameters (``Params``, a validated dataclass, :mod:`strategies.params`), its device state
+``backward()``, optional ``unscale_(optimizer)``, ``step(optimizer)``, ``update()``. A rule is
+three declarations and one function (see :class:`Strategy` for the list): its hyper-parameters
+(``Params``, a validated dataclass, :mod:`strategies.params`), its device state
 (``state_spec``, :mod:`strategies.state`) and ``update_``, which runs the rule's in-place update
 function (or its kernel) with :meth:`Strategy.run_update`, binding its arguments by name from the
 state and params (:mod:`strategies.binding`). From those the base class derives lazy
 device-resident state, ``state_dict``/``load_state_dict`` (validated before anything changes),
-telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed reduction.
+telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed reduction. This module
+is the state machine (``scale``, ``unscale_``, ``step``, ``update``); GradScaler's accessors
+(``get_scale``, the getters and setters, ``state_dict``) are :mod:`strategies.gradscaler_api`'s.
 
-No method here reads a tensor on the host except GradScaler's own ``step()`` skip decision
-(``found_inf.item()``; none with fused optimizers), :meth:`get_scale` and :meth:`state_dict`.
+No method reads a tensor on the host except GradScaler's own ``step()`` skip decision
+(``found_inf.item()``; none with fused optimizers), ``get_scale()`` and ``state_dict()``.
 A rule's ``fault`` state (see :class:`Strategy`) is read in that same ``step()`` read.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 from collections import defaultdict
 from typing import Any, ClassVar, Iterable
 
 import torch
-import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from strategies import binding, kernels
+from strategies import binding
 from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
-from strategies.params import ScalerParams, signature
-from strategies.state import (RuleState, ScaleFloorError, State, base_state, from_state_dict, raise_fault,
-                              record_step_, telemetry_of, to_state_dict)
-from strategies.stats import GradStats, all_reduce_, gather
+from strategies.params import ScalerParams, bind_arguments, sign_init, signature
+from strategies.state import RuleState, ScaleFloorError, State, base_state, raise_fault, record_step_, telemetry_of
+from strategies.stats import GradStats, distributed_mode, gather
+
+__all__ = ["Strategy"]
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -44,12 +46,10 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
     It *subclasses* GradScaler (rather than only mimicking its methods) so that frameworks'
     ``isinstance(scaler, torch.amp.GradScaler)`` checks pass and the private members they use
-    exist: every attribute GradScaler's ``__init__`` sets (``_device``, ``_enabled``, ``_init_scale``,
-    ``_scale``, ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``, ``_init_growth_tracker``,
-    ``_growth_tracker``, ``_per_optimizer_states``; :mod:`strategies.gradscaler_api`),
-    ``_lazy_init_scale_growth_tracker`` (accelerate), ``_check_inf_per_device``,
-    ``_found_inf_per_device``. Every public method is overridden; GradScaler's ``__init__`` is not
-    called (the state lives in ``self.state``), and its ``_unscale_grads_`` stays torch's own.
+    exist (every attribute GradScaler's ``__init__`` sets and ``_lazy_init_scale_growth_tracker``:
+    :mod:`strategies.gradscaler_api`; ``_check_inf_per_device``, ``_found_inf_per_device`` and
+    ``_unscale_grads_`` are torch's own). Every public method is overridden; GradScaler's
+    ``__init__`` is not called (the state lives in ``self.state``).
 
     Constructor: ``Strategy(device=None, init_scale=2.**16, growth_factor=2.0, backoff_factor=0.5,
     growth_interval=2000, enabled=True, *, min_scale, max_scale, track_stats, distributed,
@@ -77,6 +77,9 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     * ``update_(found_inf, stats)`` — the rule, in place on ``self.state`` (no host sync);
     * ``on_unscale(optimizer)`` — after an optimizer's gradients were unscaled (probes);
     * ``attach(model)`` / ``detach()`` — per-layer rules install / remove their hooks;
+    * ``before_scale(outputs)`` / ``after_scale(scaled)`` — around :meth:`scale`'s multiplication
+      (an attached rule reads the loss's graph, then marks what it returns);
+    * ``guard(what)`` — raise where :meth:`get_scale` or :meth:`unscale_` would be wrong now;
     * ``set_reference(closure, params)`` — rules that probe an fp32 reference gradient;
     * ``group_index(params)``, ``num_groups``, ``group_names``, ``output_group`` — per-group rules.
 
@@ -96,25 +99,12 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     pow2_scales: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Give the subclass an ``__init__`` whose ``__signature__`` is its ``Params``' (one
-        thin forwarding function per class, so each class shows its own rule's fields)."""
+        """Give the subclass an ``__init__`` whose ``__signature__`` is its ``Params``'."""
         super().__init_subclass__(**kwargs)
-        inherited = cls.__init__
-
-        @functools.wraps(inherited)
-        def __init__(self: Strategy, *args: Any, **kw: Any) -> None:
-            inherited(self, *args, **kw)
-
-        __init__.__signature__ = signature(cls.Params)  # type: ignore[attr-defined]
-        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-        cls.__init__ = __init__  # type: ignore[method-assign]
+        sign_init(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # GradScaler.__init__ deliberately not called
-        try:
-            signature(self.Params).bind(self, *args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{self.name}: {e} (GradScaler's six arguments may be positional, every other "
-                            "one is a keyword)") from None
+        bind_arguments(self, args, kwargs)
         self.params = self.Params(*args, **kwargs)
         if self.params.device == "cuda" and self.params.enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.")
@@ -145,6 +135,17 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     def set_reference(self, closure: Any, params: Iterable[torch.Tensor] | None = None) -> None:
         pass
 
+    def before_scale(self, outputs: Any) -> None:
+        """Called by :meth:`scale` (enabled) before it multiplies ``outputs``."""
+
+    def after_scale(self, scaled: Any) -> Any:
+        """What :meth:`scale` returns for the multiplied ``scaled`` (itself by default)."""
+        return scaled
+
+    def guard(self, what: str) -> None:
+        """Called first by :meth:`get_scale` and :meth:`unscale_` (``what`` names the call): a rule
+        raises ``RuntimeError`` where the call would be wrong in its current state."""
+
     @property
     def hook_seconds(self) -> float:
         """Host seconds the layer-boundary hooks of an attached strategy have run so far (0.0 for
@@ -170,12 +171,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         input takes the place of a state or field of its name). The bound list is cached per op
         while ``self.state``, ``self.params`` and the input names are the same (state tensors
         are updated in place, params replaced whole), so a step only fills in the inputs."""
-        names = tuple(inputs)
-        bound = self._bound.get(op)
-        if bound is None or bound[0] is not self.state or bound[1] is not self.params or bound[2] != names:
-            bound = self._bound[op] = binding.bind(op, twin, self.state, self.params,
-                                                   [s.name for s in self.state_spec], names)
-        kernels.dispatch(op, twin, *bound[4]([*bound[3], *inputs.values()]))
+        binding.run(self._bound, op, twin, self.state, self.params, self.state_spec, inputs)
 
     # ------------------------------------------------------------------ state
     def _specs(self) -> tuple[State, ...]:
@@ -238,6 +234,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         """Multiply a tensor (or an iterable of tensors, nested) by the current scale."""
         if not self.params.enabled:
             return outputs
+        self.before_scale(outputs)
 
         def apply(val: Any) -> Any:
             if isinstance(val, torch.Tensor):
@@ -249,17 +246,14 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
                 return type(val)(iterable) if isinstance(val, (list, tuple)) else iterable
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
-        return apply(outputs)
+        return self.after_scale(apply(outputs))
 
     def _wants_stats(self) -> bool:
         return self.needs_stats or self.params.track_stats
 
     def _distributed_mode(self) -> str | None:
         """``"replicated"``/``"sharded"`` when statistics must be reduced across ranks, else None."""
-        mode = self.params.distributed
-        if mode == "off" or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return None
-        return "replicated" if mode == "auto" else mode
+        return distributed_mode(self.params.distributed)
 
     def _gather(self, optimizer: torch.optim.Optimizer, unscale: bool = True) -> None:
         """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record
@@ -277,6 +271,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         Must be called at most once per optimizer per :meth:`update`, after all gradients are
         accumulated; a second call raises ``RuntimeError`` (as GradScaler). No host sync.
         """
+        self.guard("unscale_()")
         if not self.params.enabled:
             return
         self._check_initialized("unscale_")
@@ -374,10 +369,8 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             for st in self._per_optimizer_states.values():
                 if st["stats"] is not None:
                     stats = st["stats"] if stats is None else stats.combine(st["stats"])
-            mode = self._distributed_mode()
-            if mode is not None:  # rank-local observations the rule declared with reduce=...
-                all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "sum"], "sum")
-                all_reduce_([getattr(state, n) for n, sp in state.specs.items() if sp.reduce == "max"], "max")
+            if self._distributed_mode() is not None:  # rank-local observations the rule declared with reduce=...
+                state.all_reduce_()
             self.update_(found_inf, stats)
             self.run_update("record_step_", record_step_, found_state=state.found_inf, found_inf=found_inf)
             if stats is not None:
@@ -385,26 +378,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self.updates += 1
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
-    # ------------------------------------------------------------------ queries
-    def get_scale(self) -> float:
-        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises.
-        Raises :class:`ScaleFloorError` if the rule recorded a fault (class docstring)."""
-        if not self.params.enabled:
-            return 1.0
-        if self.state is not None and "fault" in self.state.specs:
-            scale, fault = torch.stack([self.output_scale().double(), self.state.fault.double()]).tolist()
-            raise_fault(self, int(fault))
-            return float(scale)
-        return float(self._output_value("scale", self.params.init_scale))
-
-    def _output_value(self, key: str, default: float) -> float:
-        """The loss-side group's entry ``key`` of the state, or of a loaded one not yet
-        initialised. Synchronises."""
-        if self.state is None:
-            value = self._pending.get(key, default)
-            return value[min(self.output_group, len(value) - 1)] if isinstance(value, list) else value
-        return self.output_entry(getattr(self.state, key)).item()
-
+    # ------------------------------------------------------------------ telemetry
     def telemetry(self) -> dict[str, torch.Tensor]:
         """Device tensors describing the last completed :meth:`update` (no sync; read them at
         your logging interval): ``scale`` (loss side), ``growth_tracker``, ``found_inf``,
@@ -413,30 +387,6 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         ``scales``, ``group_growth_tracker``, ``group_absmax``, ``group_zero_frac`` (shape
         ``[G]``). Empty before the first :meth:`scale` or when disabled."""
         return telemetry_of(self) if self.params.enabled and self.state is not None else {}
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The strategy's state as plain Python values (loadable with ``weights_only=True``):
-        GradScaler's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``) — so GradScaler can load a ``native`` state —
-        plus ``strategy``, ``skipped_steps``, ``updates``, ``group_names`` and ``extra`` (the
-        saved state tensors by name). Empty when disabled. Synchronises."""
-        return to_state_dict(self) if self.params.enabled else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (or a GradScaler state dict, for ``native``). Everything is
-        validated first: a bad entry raises one ``ValueError`` naming it and leaves the strategy
-        exactly as it was."""
-        if not self.params.enabled:
-            return
-        params, updates, values = from_state_dict(self, state_dict)
-        self.params, self.updates = params, updates
-        # GradScaler.load_state_dict sets _init_scale / _init_growth_tracker (both validated above)
-        self._init_values = {"scale": float(state_dict["scale"]), "growth_tracker": int(state_dict["_growth_tracker"])}
-        if self.state is not None:
-            self.state.load_(values)
-        else:
-            self._pending = values
 
 
 Strategy.__init__.__signature__ = signature(ScalerParams)  # type: ignore[attr-defined]

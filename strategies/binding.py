@@ -2,7 +2,7 @@
 
 A rule's update op ``torch.ops.scalelab.<op>`` and its Python twin take the same positional
 arguments (``cuda/ops.cpp`` declares the schema, ``strategies/rules/<rule>.py`` the twin). Instead of
-writing that list again at every call, :meth:`strategies.base.Strategy.run_update` binds each
+writing that list again at every call, :meth:`strategies.base.Strategy.run_update` (:func:`run`) binds each
 parameter of the twin's signature, in its order, from one of three sources:
 
 1. the rule's **state** tensors (``strategy.state.<name>``) — every declared state except
@@ -34,7 +34,7 @@ import torch
 
 from strategies import kernels
 
-__all__ = ["INPUT", "NONE", "PARAM", "STATE", "Slot", "bind", "bind_plan", "check_schema", "twin_names"]
+__all__ = ["INPUT", "NONE", "PARAM", "STATE", "Slot", "bind", "bind_plan", "check_schema", "run", "twin_names"]
 
 STATE, PARAM, INPUT, NONE = 0, 1, 2, 3
 """Where a slot's value comes from: a state tensor, a params field, a per-call input, None."""
@@ -113,3 +113,16 @@ def bind(op: str, twin: Callable[..., Any], state: Any, params: Any, declared_st
     values = [getattr(state, n) if k == STATE else getattr(params, n) if k == PARAM else None for k, n in plan]
     order = [len(plan) + inputs.index(n) if k == INPUT else i for i, (k, n) in enumerate(plan)]
     return state, params, inputs, values, operator.itemgetter(*order)
+
+
+def run(cache: dict[str, tuple[Any, ...]], op: str, twin: Callable[..., Any], state: Any, params: Any,
+        state_spec: Sequence[Any], inputs: dict[str, Any]) -> None:
+    """Run ``op`` (or its ``twin``, :func:`strategies.kernels.dispatch`) with its arguments bound by
+    name. The :func:`bind` result is kept in ``cache`` per op while ``state``, ``params`` and the
+    input names are the same objects (state tensors are updated in place, params replaced whole),
+    so a step only fills in the inputs. ``state_spec``: every state the rule declares."""
+    names = tuple(inputs)
+    bound = cache.get(op)
+    if bound is None or bound[0] is not state or bound[1] is not params or bound[2] != names:
+        bound = cache[op] = bind(op, twin, state, params, [s.name for s in state_spec], names)
+    kernels.dispatch(op, twin, *bound[4]([*bound[3], *inputs.values()]))

@@ -22,6 +22,8 @@ from strategies import validation as v
 from strategies.state import FAULT_STATE
 from strategies.params import hp
 
+__all__ = ["FLOOR_FAULT", "FloorParams", "ON_MIN_SCALE", "raises", "record_fault_"]
+
 ON_MIN_SCALE = ("clamp", "raise")
 
 

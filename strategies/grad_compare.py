@@ -1,5 +1,5 @@
 """Comparing a step's gradient with its fp32 reference: the pure-torch pieces the fidelity probe
-(``experiments/app/fidelity.py``) and the doctor (``strategies/doctor/passes.py``) share.
+(``experiments/app/fidelity.py``) and the doctor (``strategies/doctor/measure.py``) share.
 
 * :func:`capture_rng` / :func:`restore_rng`: the RNG state a forward draws its dropout masks from
   (CPU, and the device's when it is CUDA), so a reference pass sees the same masks;

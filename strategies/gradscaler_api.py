@@ -1,5 +1,6 @@
-"""GradScaler's accessor surface for :class:`strategies.base.Strategy`: the getters and setters,
-``is_enabled``, and the private members frameworks read from a ``torch.amp.GradScaler``
+"""GradScaler's accessor surface for :class:`strategies.base.Strategy`: ``get_scale``, the getters
+and setters, ``is_enabled``, ``state_dict``/``load_state_dict`` (validated and written by
+:mod:`strategies.state`), and the private members frameworks read from a ``torch.amp.GradScaler``
 (``_lazy_init_scale_growth_tracker``, pickling, and every instance attribute GradScaler's
 ``__init__`` sets — ``_device``, ``_enabled``, ``_init_scale``, ``_scale``, ``_growth_factor``,
 ``_backoff_factor``, ``_growth_interval``, ``_init_growth_tracker``, ``_growth_tracker``, with
@@ -13,6 +14,9 @@ from typing import Any
 import torch
 
 from strategies import validation as v
+from strategies.state import from_state_dict, raise_fault, to_state_dict
+
+__all__ = ["GradScalerAccessors"]
 
 
 class GradScalerAccessors:
@@ -25,6 +29,8 @@ class GradScalerAccessors:
     _init_values: dict[str, Any]
     per_group: bool
     num_groups: int
+    output_group: int
+    updates: int
 
     _scale = property(lambda self: None if self.state is None else self.state.scale)
     _growth_tracker = property(lambda self: None if self.state is None else self.state.growth_tracker)
@@ -86,6 +92,52 @@ class GradScalerAccessors:
                             "(the copy would probe the original model); save its state_dict() and call "
                             "set_reference on the new one")
         return self.__dict__.copy()
+
+    # ------------------------------------------------------------------ the scale
+    def get_scale(self) -> float:
+        """The current (loss-side) scale as a Python float (1.0 when disabled). Synchronises.
+        Raises :class:`strategies.state.ScaleFloorError` if the rule recorded a fault
+        (:class:`strategies.base.Strategy`)."""
+        self.guard("get_scale()")
+        if not self.params.enabled:
+            return 1.0
+        if self.state is not None and "fault" in self.state.specs:
+            scale, fault = torch.stack([self.output_scale().double(), self.state.fault.double()]).tolist()
+            raise_fault(self, int(fault))
+            return float(scale)
+        return float(self._output_value("scale", self.params.init_scale))
+
+    def _output_value(self, key: str, default: float) -> float:
+        """The loss-side group's entry ``key`` of the state, or of a loaded one not yet
+        initialised. Synchronises."""
+        if self.state is None:
+            value = self._pending.get(key, default)
+            return value[min(self.output_group, len(value) - 1)] if isinstance(value, list) else value
+        return self.output_entry(getattr(self.state, key)).item()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's state as plain Python values (loadable with ``weights_only=True``):
+        GradScaler's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) — so GradScaler can load a ``native`` state —
+        plus ``strategy``, ``skipped_steps``, ``updates``, ``group_names`` and ``extra`` (the
+        saved state tensors by name). Empty when disabled. Synchronises."""
+        return to_state_dict(self) if self.params.enabled else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (or a GradScaler state dict, for ``native``). Everything is
+        validated first: a bad entry raises one ``ValueError`` naming it and leaves the strategy
+        exactly as it was."""
+        if not self.params.enabled:
+            return
+        params, updates, values = from_state_dict(self, state_dict)
+        self.params, self.updates = params, updates
+        # GradScaler.load_state_dict sets _init_scale / _init_growth_tracker (both validated above)
+        self._init_values = {"scale": float(state_dict["scale"]), "growth_tracker": int(state_dict["_growth_tracker"])}
+        if self.state is not None:
+            self.state.load_(values)
+        else:
+            self._pending = values
 
     def is_enabled(self) -> bool:
         return self.params.enabled

@@ -1,32 +1,18 @@
 """The one binding module between ``strategies`` and the ``cuda/`` extension (``torch.ops.scalelab``).
 
-On first use it builds the extension from the sources in ``cuda/`` with
-``torch.utils.cpp_extension.load`` (CPU twin always; the ``.cu`` kernels and their CUDA shim too
-when torch has CUDA and ``nvcc`` is found), into a stable per-machine-class build directory, and
-loads it. Later processes reuse the build (torch's file lock makes concurrent first builds, e.g.
-under pytest-xdist, safe). Loading also registers the fake (meta) implementation of every op
-(``torch.library.register_fake``). When no compiler is available or the build fails,
-:func:`unscale_and_stats` returns ``None`` (the caller runs the plain-torch reference) and
-:func:`dispatch` runs the rule's Python twin; a one-time ``RuntimeWarning`` says why.
+On first use :func:`load` builds the extension (:mod:`strategies.kernel_build`: sources, build
+folder, flags and architectures) and loads it. Loading also registers the fake (meta)
+implementation of every op (``torch.library.register_fake``). When no compiler is available or
+the build fails, :func:`unscale_and_stats` returns ``None`` (the caller runs the plain-torch
+reference) and :func:`dispatch` runs the rule's Python twin; a one-time ``RuntimeWarning`` says why.
 
 Two entry points: :func:`unscale_and_stats` (the statistics pass) and :func:`dispatch` (every
 rule's update op, ``torch.ops.scalelab.<rule>_update_``, or its Python twin with the same
 arguments).
 
-Environment:
-
-* ``SCALELAB_KERNELS=0`` — never build or load; always the plain-torch path.
-* ``SCALELAB_EXT_DIR`` — build root (``cpu/`` and ``cuda/`` builds beneath it; default
-  ``~/.cache/scalelab/ext/<torch>-<cpu|cuXY>-<isa>-<python>``). If the CUDA part fails to build,
-  the CPU ops are built alone (with a warning).
-* ``SCALELAB_CUDA_SRC`` — the ``cuda/`` source folder to build from (default: the copy a wheel
-  or ``pip install .`` ships as ``strategies/cuda``; in a checkout or editable install,
-  ``<repo>/cuda``). The build itself always goes to the build root above, never beside the sources.
-* ``SCALELAB_KERNELS_VERBOSE=1`` — show the compiler output.
-* ``TORCH_CUDA_ARCH_LIST`` — as for any torch extension, with two exceptions, each named in one
-  warning: entries before Volta (sm_70: the statistics kernel passes its chunk table as one
-  32 KB kernel parameter) and entries the installed ``nvcc`` cannot compile are left out, and
-  the rest is built; with none left, the CPU ops are built alone.
+Environment: ``SCALELAB_KERNELS=0`` — never build or load; always the plain-torch path (the build's
+own variables: :mod:`strategies.kernel_build`). If the CUDA part fails to build, the CPU ops are
+built alone (with a warning).
 
 At the first CUDA use of a device the ops check it: a GPU before Volta turns every CUDA op off
 there, and a driver older than CUDA 12.1 (which first accepts 32 KB kernel parameters) turns
@@ -37,171 +23,31 @@ runs instead of failing at the first step.
 from __future__ import annotations
 
 import os
-import platform
 import re
-import shutil
-import subprocess
-import sys
 import threading
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
+from strategies import kernel_build
+from strategies.kernel_build import MIN_CAPABILITY
+
 __all__ = [
     "available",
-    "build_directory",
+    "check_update_args",
     "dispatch",
     "f32_of_double",
     "load",
     "op_names",
-    "source_dir",
     "unavailable_reason",
     "unscale_and_stats",
+    "update_applies",
 ]
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason: str = ""
-
-_X86_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
-
-
-def source_dir() -> Path:
-    """The ``cuda/`` source folder the extension is built from: ``SCALELAB_CUDA_SRC``, else the copy
-    an installed wheel ships in this package (``strategies/cuda``), else ``<checkout>/cuda``."""
-    env = os.environ.get("SCALELAB_CUDA_SRC")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parent
-    return here / "cuda" if (here / "cuda").is_dir() else here.parent / "cuda"
-
-
-def _isa() -> str:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "generic"
-    cap = torch.backends.cpu.get_cpu_capability()
-    return cap if cap in _X86_FLAGS else "generic"
-
-
-def _use_cuda() -> bool:
-    from torch.utils import cpp_extension
-
-    return torch.version.cuda is not None and torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
-
-
-def build_directory(with_cuda: bool | None = None) -> Path:
-    """Stable build folder, one per (torch version, CUDA or not, CPU instruction set, Python)."""
-    if with_cuda is None:
-        with_cuda = _use_cuda()
-    env = os.environ.get("SCALELAB_EXT_DIR")
-    if env:
-        return Path(env) / ("cuda" if with_cuda else "cpu")
-    dev = f"cu{torch.version.cuda.replace('.', '')}" if with_cuda else "cpu"
-    tag = f"torch{torch.__version__.split('+')[0]}-{dev}-{_isa().lower()}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path.home() / ".cache" / "scalelab" / "ext" / tag
-
-
-def _sources(with_cuda: bool) -> list[str]:
-    src = source_dir()
-    files = [src / "ops.cpp", *sorted((src / "cpu").glob("*.cpp"))]
-    if with_cuda:
-        files += [src / "cuda_shim.cpp", *sorted((src / "kernels").glob("*.cu"))]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"scalelab extension sources not found: {missing} (set SCALELAB_CUDA_SRC)")
-    return [str(f) for f in files]
-
-
-def _ninja_on_path() -> None:
-    """torch builds with the ``ninja`` executable found on PATH; the ``ninja`` package (a
-    dependency) ships one in its own folder, which is not on PATH when a venv's script is run
-    without activating the venv."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = str(ninja.BIN_DIR) + os.pathsep + os.environ.get("PATH", "")
-
-
-MIN_CAPABILITY = (7, 0)
-"""Volta: the oldest GPU that takes the statistics kernel's 32 KB parameter (with a CUDA 12.1+ driver)."""
-_PRE_VOLTA_NAMES = ("Kepler+Tesla", "Kepler", "Maxwell+Tegra", "Maxwell", "Pascal")  # torch's named arches
-
-
-def _nvcc_archs() -> tuple[str, set[str]] | None:
-    """(nvcc's version, the compute capabilities it compiles for, e.g. {"75", "80"}), or None if unknown."""
-    from torch.utils import cpp_extension
-
-    nvcc = shutil.which("nvcc") or (cpp_extension.CUDA_HOME and str(Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"))
-    try:
-        archs = subprocess.run([str(nvcc), "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
-        version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError, TypeError):
-        return None
-    found = set(re.findall(r"compute_(\d+)", archs))
-    release = re.search(r"release (\S+),", version)
-    return (release.group(1) if release else "?", found) if found else None
-
-
-def build_arch_list(requested: str, nvcc: tuple[str, set[str]] | None) -> tuple[str, list[str]]:
-    """The ``TORCH_CUDA_ARCH_LIST`` to build with, from the requested one: (kept entries joined
-    by ';', the dropped ones each with its reason). Raises ``RuntimeError`` when none is left."""
-    kept: list[str] = []
-    dropped: list[str] = []
-    for entry in requested.replace(";", " ").split():
-        num = re.fullmatch(r"(\d+)\.(\d+)(\+PTX)?", entry)
-        if entry in _PRE_VOLTA_NAMES or (num and (int(num[1]), int(num[2])) < MIN_CAPABILITY):
-            dropped.append(f"{entry} (before Volta: the statistics kernel's 32 KB parameter needs sm_70 or newer)")
-        elif num and nvcc is not None and f"{num[1]}{num[2]}" not in nvcc[1]:
-            dropped.append(f"{entry} (nvcc {nvcc[0]} cannot compile for it)")
-        else:
-            kept.append(entry)
-    if not kept:
-        raise RuntimeError(f"TORCH_CUDA_ARCH_LIST={requested!r} has no architecture the CUDA kernels can be "
-                           f"built for: {', '.join(dropped)}")
-    return ";".join(kept), dropped
-
-
-def _build(with_cuda: bool) -> None:
-    from torch.utils import cpp_extension
-
-    requested = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if with_cuda and requested is not None:
-        arch, dropped = build_arch_list(requested, _nvcc_archs())
-        if dropped:
-            warnings.warn(f"scalelab: TORCH_CUDA_ARCH_LIST entries left out of the kernel build: {'; '.join(dropped)}"
-                          f"; building for {arch}", RuntimeWarning, stacklevel=4)
-        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-    build_dir = build_directory(with_cuda)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _ninja_on_path()
-    cflags = ["-O3", "-ffp-contract=off", "-fopenmp", *_X86_FLAGS.get(_isa(), [])]
-    if with_cuda:
-        cflags.append("-DSCALELAB_WITH_CUDA")
-    verbose = os.environ.get("SCALELAB_KERNELS_VERBOSE") == "1"
-    if not (build_dir / "scalelab_ops.so").exists():
-        print(f"scalelab: building the kernel extension in {build_dir} (once, about a minute)", file=sys.stderr)
-    try:
-        cpp_extension.load(
-            name="scalelab_ops",
-            sources=_sources(with_cuda),
-            extra_cflags=cflags,
-            extra_cuda_cflags=["-O3", "--fmad=false", "-DSCALELAB_WITH_CUDA"],
-            extra_include_paths=[str(source_dir() / "include")],
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            is_python_module=False,
-            verbose=verbose,
-        )
-    finally:
-        if requested is not None:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = requested
 
 
 def load() -> bool:
@@ -216,7 +62,7 @@ def load() -> bool:
             _loaded, _reason = False, "disabled by SCALELAB_KERNELS=0"
             return False
         try:
-            with_cuda = _use_cuda()
+            with_cuda = kernel_build.use_cuda()
             old = [i for i in range(torch.cuda.device_count()) if _capability(i) < MIN_CAPABILITY] \
                 if with_cuda else []
             if with_cuda and len(old) == torch.cuda.device_count():
@@ -224,14 +70,14 @@ def load() -> bool:
                               RuntimeWarning, stacklevel=3)
                 with_cuda = False
             try:
-                _build(with_cuda)
+                kernel_build.build(with_cuda)
             except Exception as exc:
                 if not with_cuda:
                     raise
                 # The CUDA part failed (nvcc / host compiler mismatch, no buildable arch, ...): keep the CPU twin.
                 warnings.warn(f"scalelab: CUDA kernels failed to build ({type(exc).__name__}: {_last_line(exc)}); "
                               "building the CPU ops only", RuntimeWarning, stacklevel=3)
-                _build(False)
+                kernel_build.build(False)
             _loaded = hasattr(torch.ops.scalelab, "unscale_and_stats")
             if _loaded:
                 _register_fakes()

@@ -8,11 +8,9 @@ per-group scales exact.
   by one. :func:`resolve` merges such groups into one (named ``"a+b"``, with one warning). A
   merged group may be called at several places of the chain; the per-call rescaling handles
   that, so merging is exact;
-* skip connections: at each group call, the graph between its tensor arguments and the earlier
-  group calls is walked (:func:`strategies.boundaries.reached`); :func:`link` records which group
-  consumes each call's output and refuses (one ``ValueError``) an output consumed by two groups,
-  or by a group and a loss scaled at another group's scale — its gradient would sum
-  contributions at two scales. A skip connection *inside* a group (residual blocks) is exact;
+* :func:`assign` — the groups and each trainable parameter's group (every one must have one);
+* skip connections, and the links between groups that keep per-group scales exact, are
+  :mod:`strategies.group_links`'s;
 * overflow attribution: :func:`overflow_origin`, the groups a skipped step is blamed on (the
   per-group rules of ``layerwise`` and AdaLoss back off only those).
 """
@@ -21,13 +19,12 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from strategies.boundaries import layers
 
-__all__ = ["Links", "link", "overflow_origin", "resolve"]
+__all__ = ["Groups", "assign", "overflow_origin", "resolve"]
 
 Groups = list[tuple[str, list[torch.nn.Module]]]
 
@@ -93,26 +90,25 @@ def resolve(model: torch.nn.Module, patterns: list[str] | None) -> Groups:
     return _merge_tied(model, groups)
 
 
-@dataclass
-class Links:
-    """What one forward pass (a :class:`strategies.boundaries.Trace`) told a per-group strategy:
-    for each call, the group whose scale the gradient of its output arrives at (the group of the
-    calls that consume it, or the loss's group for an output the loss consumes directly)."""
-
-    consumer: dict[int, int] = field(default_factory=dict)
-    loss_group: int | None = None
-    double: bool = False  # a create_graph backward ran through it (gradient penalty)
-
-
-def link(links: Links, k: int, group: int, producer: str, by: str, names: list[str]) -> None:
-    """Record that call ``k`` (of group ``producer``) is consumed by ``group`` (``by`` names the
-    consumer); refuse a second consumer of another group with one ``ValueError``."""
-    old = links.consumer.setdefault(k, group)
-    if old != group:
-        raise ValueError(
-            f"layerwise: the output of group {producer!r} is also consumed by {by}, past group {names[old]!r} "
-            "(a skip connection across a group boundary): its gradient would mix two scales. Pass groups=[...] "
-            f"patterns that put the layers from {names[old]!r} to {names[group]!r} in one group")
+def assign(model: torch.nn.Module, patterns: list[str] | None) -> tuple[Groups, dict[int, int]]:
+    """The groups of ``model`` (:func:`resolve`; a leaf model is one group of its own, with no
+    module to hook) and each trainable parameter's group by ``id`` (its first group). Raises
+    ``ValueError`` naming the trainable parameters that belong to no group."""
+    groups = resolve(model, patterns)
+    if not groups:
+        groups = [(type(model).__name__, [])]
+        param_group = {id(p): 0 for p in model.parameters()}
+    else:
+        param_group = {}
+        for gi, (_, mods) in enumerate(groups):
+            for m in mods:
+                for p in m.parameters():
+                    param_group.setdefault(id(p), gi)
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in param_group]
+    if missing:
+        raise ValueError(f"layerwise: parameters {missing} belong to no group; "
+                         "pass groups=[...] patterns that cover every trainable parameter")
+    return groups, param_group
 
 
 def overflow_origin(found_inf: torch.Tensor, group_found_inf: torch.Tensor, emitted: torch.Tensor,

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from strategies import validation as v
 
-__all__ = ["DISTRIBUTED_MODES", "GRADSCALER_POSITIONAL", "ScalerParams", "hp", "describe", "signature"]
+__all__ = ["DISTRIBUTED_MODES", "GRADSCALER_POSITIONAL", "ScalerParams", "bind_arguments", "hp", "describe", "signature",
+           "sign_init"]
 
 DISTRIBUTED_MODES = ("auto", "off", "replicated", "sharded")
 
@@ -126,3 +127,28 @@ def signature(params_cls: type[ScalerParams]) -> inspect.Signature:
         params.append(inspect.Parameter(f.name, kind, default=default, annotation=hints.get(f.name, f.type)))
     params.sort(key=lambda p: p.kind)  # stable: keeps GradScaler's order, then the dataclass's
     return inspect.Signature(params, return_annotation=None)
+
+
+def sign_init(cls: Any) -> None:
+    """Give the strategy class ``cls`` an ``__init__`` whose ``__signature__`` is its ``Params``'
+    (:func:`signature`): one thin forwarding function per class, so each class shows its own
+    rule's fields."""
+    inherited = cls.__init__
+
+    @functools.wraps(inherited)
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        inherited(self, *args, **kw)
+
+    __init__.__signature__ = signature(cls.Params)  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__
+
+
+def bind_arguments(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Bind a strategy's constructor arguments against :func:`signature`: more than GradScaler's six
+    positional ones, or an unknown keyword, is one ``TypeError`` naming the strategy."""
+    try:
+        signature(strategy.Params).bind(strategy, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{strategy.name}: {e} (GradScaler's six arguments may be positional, every other "
+                        "one is a keyword)") from None

@@ -1,11 +1,12 @@
 """The strategy registry: ``@register_strategy("name")``, ``create(name, **kwargs)``, ``available()``.
 
-Adding a strategy is one decorated class in a new module of this package (discovered on import
-of :mod:`strategies`, see ``strategies/__init__.py``) or in another installed package that
+Adding a strategy is one decorated class in a new module of ``strategies/rules/`` (discovered on
+import of :mod:`strategies`, see ``strategies/__init__.py``) or in another installed package that
 declares an entry point in the ``scalelab.strategies`` group — like timm's model registry
-(:func:`load_plugins`). A plugin never replaces a strategy already registered (a built-in name is
-refused, naming the class that holds it), and a plugin that fails to load is skipped with one
-warning: one broken package does not stop every run.
+(:func:`load_plugins`). Entry points load lazily, at the first :func:`available`, :func:`get` or
+:func:`create` (``import strategies`` runs no foreign code). A plugin never replaces a strategy
+already registered (a built-in name is refused, naming the class that holds it), and a plugin that
+fails to load is skipped with one warning: one broken package does not stop every run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 if TYPE_CHECKING:
     from strategies.base import Strategy
 
+__all__ = ["PLUGIN_GROUP", "PluginWarning", "UnknownStrategyError", "available", "create", "get", "load_plugins",
+           "register_strategy"]
+
 _REGISTRY: dict[str, type["Strategy"]] = {}
+_plugins_loaded = False  # the entry points are loaded at the first lookup, not at import
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 S = TypeVar("S", bound="type[Strategy]")
@@ -53,12 +58,21 @@ def register_strategy(name: str) -> Callable[[S], S]:
     return decorator
 
 
+def _load_plugins_once() -> None:
+    """Load the entry points of :data:`PLUGIN_GROUP` at the first lookup of the registry."""
+    if not _plugins_loaded:
+        load_plugins()
+
+
 def available() -> list[str]:
-    """Sorted names of every registered strategy."""
+    """Sorted names of every registered strategy (the plugins' included)."""
+    _load_plugins_once()
     return sorted(_REGISTRY)
 
 
 def get(name: str) -> type["Strategy"]:
+    """The class registered as ``name``; :class:`UnknownStrategyError` lists the registered ones."""
+    _load_plugins_once()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -80,8 +94,12 @@ def load_plugins(group: str = PLUGIN_GROUP) -> list[str]:
     A plugin that raises while loading, or that registers a name already registered (a built-in
     included) — through :func:`register_strategy` or by editing the registry — is skipped: the
     registry is restored to what it was before that plugin, and one :class:`PluginWarning` names
-    the plugin and the reason. The others still load.
+    the plugin and the reason. The others still load. Called with the default group (explicitly or
+    by the first lookup), it marks the plugins loaded: later lookups do not load them again.
     """
+    global _plugins_loaded
+    if group == PLUGIN_GROUP:
+        _plugins_loaded = True  # first: a plugin that looks a name up while it loads does not recurse
     loaded = []
     for ep in importlib.metadata.entry_points(group=group):
         before = dict(_REGISTRY)

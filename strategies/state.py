@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from strategies.stats import GradStats
+from strategies.stats import GradStats, all_reduce_
 
 __all__ = ["RuleState", "State", "base_state", "from_state_dict", "telemetry_of", "to_state_dict", "validated"]
 
@@ -143,6 +143,12 @@ class RuleState:
                 or new_scale.numel() != 1 or new_scale.requires_grad:
             raise AssertionError(reason)
         self.scale.copy_(new_scale.reshape(()).expand_as(self.scale))
+
+    def all_reduce_(self) -> None:
+        """Reduce across ranks the rank-local observations the rule declared with ``reduce=``
+        (the sums, then the maxima), so that every rank's update sees the same values."""
+        all_reduce_([getattr(self, n) for n, s in self.specs.items() if s.reduce == "sum"], "sum")
+        all_reduce_([getattr(self, n) for n, s in self.specs.items() if s.reduce == "max"], "max")
 
     def load_(self, values: dict[str, Any]) -> None:
         """Copy already :func:`validated` values into the tensors (a single value fills every

@@ -30,6 +30,12 @@ import torch.distributed as dist
 from strategies import kernels
 from strategies.formats import FP16_MIN_NORMAL
 
+__all__ = [
+    "E_BINS", "E_LO", "GradStats", "all_reduce_", "bin_counts", "count_fraction", "count_fraction_reference",
+    "distributed_mode", "exponent_histogram", "fold_histogram", "gather", "grads_by_device", "mean_over_ranks_",
+    "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
+]
+
 
 @dataclass
 class GradStats:
@@ -190,6 +196,15 @@ def grads_by_device(
             params[g.device].append(p)
             grads[g.device].append(g)
     return params, grads
+
+
+def distributed_mode(setting: str) -> str | None:
+    """``"replicated"``/``"sharded"`` when statistics must be reduced across ranks (a strategy's
+    ``distributed`` setting, ``"auto"`` meaning replicated), else None: ``"off"``, or no process
+    group of more than one rank."""
+    if setting == "off" or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return "replicated" if setting == "auto" else setting
 
 
 def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:

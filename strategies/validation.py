@@ -11,6 +11,11 @@ from typing import Any, Callable
 
 import torch
 
+__all__ = [
+    "Check", "above", "between", "boolean", "choice", "device", "fail", "finite_positive", "greater_than",
+    "half_open_interval", "int_at_least", "integer", "one_of", "open_interval", "optional", "patterns",
+]
+
 
 def fail(field: str, allowed: str, value: Any) -> None:
     raise ValueError(f"{field} must be {allowed}, got {value!r}")

@@ -1,56 +1,27 @@
-"""The doctor's passes over one step: what they hook, record and compare (``strategies.doctor``
-decides from what :func:`measure` returns; its docstring states the method and the sources).
+"""What the doctor's hooks see in one pass over a step (``strategies.doctor`` decides from it;
+its docstring states the method and the sources).
 
-* :func:`measure` runs the fp32 pass (reference gradient, fp32 activation-gradient magnitudes),
-  then the mixed pass under autocast: forward hooks on every module find the first one whose
-  finite inputs give a non-finite output that its fp32 recomputation does not have (so a
-  ``-inf`` attention mask is no overflow); full backward hooks on the leaf modules find the
-  first one, in backward order, whose finite output gradient gives a non-finite input gradient
-  (or that owns a non-finite parameter gradient); the backward is repeated at ``S = 1`` when it
-  overflows at ``S``, and at each compared strategy's scale.
-* :class:`LayerDamage` rows: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
-  ``cosine = <g, r> / (||g|| ||r||)`` of the unscaled mixed gradient ``g`` against the fp32
-  ``r`` per layer, with the overflow flag from the shared statistics pass (``strategies.stats``).
-
-The model's weights, ``.grad``, buffers and RNG state (CPU, and CUDA for a CUDA model) are left
-as they were.
+* Forward hooks on every module find the first one whose finite inputs give a non-finite output
+  that its fp32 recomputation does not have (so a ``-inf`` attention mask is no overflow); in an
+  fp32 pass, the first NaN made from NaN-free inputs.
+* Full backward hooks on the leaf modules record each module's output- and input-gradient
+  abs-max, the backward order, and the first module whose finite output gradient gives a
+  non-finite input gradient; :func:`first_backward` adds the owners of non-finite parameter
+  gradients.
+* :func:`backward_value` and :func:`safe_scale` read the magnitudes an fp32 pass recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-import strategies
-from strategies.grad_compare import capture_rng, layer_of, layer_sums, restore_rng
-from strategies.probe import ReferenceProbe
-from strategies.stats import unscale_and_stats_reference
-
-__all__ = ["DTYPES", "LayerDamage", "LossFn", "Measured", "Record", "backward_value", "measure", "safe_scale"]
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-"""The formats the doctor diagnoses, as ``torch.autocast`` dtypes."""
-
-
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-"""``loss_fn(model, batch) -> scalar loss`` (the forward included)."""
-
-
-@dataclass
-class LayerDamage:
-    """Underflow damage of one layer's gradient at one scale, against the fp32 gradient."""
-
-    layer: str
-    scale: float
-    lost_frac: float
-    cosine: float
-    found_inf: bool
+__all__ = ["Record", "backward_value", "first_backward", "hooks", "safe_scale"]
 
 
 def _finite(obj: Any) -> bool:
@@ -105,7 +76,7 @@ class Record:
 
 
 @contextlib.contextmanager
-def _hooks(model: torch.nn.Module, rec: Record, device_type: str) -> Iterator[None]:
+def hooks(model: torch.nn.Module, rec: Record, device_type: str) -> Iterator[None]:
     """Forward hooks on every module and full backward hooks on every leaf module, feeding ``rec``."""
     handles = []
     names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
@@ -160,55 +131,7 @@ def _hooks(model: torch.nn.Module, rec: Record, device_type: str) -> Iterator[No
             h.remove()
 
 
-def _cuda(dev: torch.device) -> list[torch.device]:
-    return [dev] if dev.type == "cuda" else []
-
-
-@contextlib.contextmanager
-def _preserved(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
-    """Leave ``.grad``, buffers and the RNG state (CPU, and ``dev`` when CUDA) exactly as they were."""
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    with torch.random.fork_rng(devices=_cuda(dev)):
-        try:
-            yield
-        finally:
-            for p, g in grads.items():
-                p.grad = g
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
-
-
-def _layer_index(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> tuple[list[str], list[int]]:
-    owner = layer_of(model)
-    names = list(dict.fromkeys(owner.get(id(p), "other") for p in params))
-    return names, [names.index(owner.get(id(p), "other")) for p in params]
-
-
-def _damage(grads: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], scale: float,
-            names: list[str], index: list[int]) -> list[LayerDamage]:
-    """Per layer: lost fraction and cosine of ``grads / scale`` against ``ref``; overflow via the
-    shared statistics pass (``strategies.stats``)."""
-    work = [g.detach().float().clone() for g in grads]
-    device = work[0].device
-    stats = unscale_and_stats_reference(work, torch.tensor(1.0 / scale, device=device), index, len(names))
-    sums = layer_sums(zip(work, ref), index, len(names), device)
-    out = []
-    rows, found = sums.tolist(), stats.found_inf.tolist()
-    for i, name in enumerate(names):
-        dot, gg, rr, _, nz, lost = rows[i]  # strategies.grad_compare.LAYER_SUMS
-        cos = dot / math.sqrt(gg * rr) if gg > 0 and rr > 0 else float("nan")
-        out.append(LayerDamage(name, scale, lost / nz if nz else 0.0, cos, found[i] > 0))
-    return out
-
-
-def _backward(loss: torch.Tensor, params: list[torch.nn.Parameter], scale: float) -> list[torch.Tensor]:
-    grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach().float() for g, p in zip(grads, params)]
-
-
-def _first_backward(model: torch.nn.Module, params: list[torch.nn.Parameter], grads: list[torch.Tensor],
+def first_backward(model: torch.nn.Module, params: list[torch.nn.Parameter], grads: list[torch.Tensor],
                     rec: Record) -> tuple[str, str] | None:
     """The first module, in backward order, whose input gradient or parameter gradient is non-finite."""
     bad = {id(p) for p, g in zip(params, grads) if not bool(torch.isfinite(g).all())}
@@ -222,62 +145,6 @@ def _first_backward(model: torch.nn.Module, params: list[torch.nn.Parameter], gr
         return None
     _, module, tensor = min(found)
     return module, tensor
-
-
-class _NoStep(torch.optim.Optimizer):
-    """An optimizer whose ``step`` changes nothing: strategies drive it as they would any other."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params, {})
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        return None
-
-
-def _hooks_forward(strat: Any) -> bool:
-    """Does ``strat.attach`` hook the forward pass (layer boundaries: ``layerwise``,
-    ``underflow_target``)? The reference-probe rules' ``attach`` only remembers parameters."""
-    return type(strat).attach is not strategies.Strategy.attach and not isinstance(strat, ReferenceProbe)
-
-
-def _strategy_scales(names: Sequence[str], loss: torch.Tensor, params: list[torch.nn.Parameter],
-                     model: torch.nn.Module, reference: Callable[[], torch.Tensor],
-                     fresh: Callable[[], torch.Tensor] | None) -> tuple[dict[str, float], dict[str, str], int]:
-    """The scale each strategy chooses after one step on this gradient (its own scale, unscale_,
-    step and update; the optimizer's step does nothing, so no parameter moves, nor does its
-    version counter: the retained graph stays usable). A strategy that hooks the forward pass
-    needs a forward of its own, with it attached: ``fresh()`` (``None``: such strategies are not
-    compared). Returns the scales, the strategies not compared (why), and the fresh forwards run."""
-    chosen: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    forwards = 0
-    for name in names:
-        strat = strategies.create(name)
-        hooks = _hooks_forward(strat)
-        if hooks and fresh is None:
-            skipped[name] = "hooks the forward pass: compared with forward_strategies=True (one more forward each)"
-            continue
-        strat.set_reference(reference, params)
-        strat.attach(model)
-        saved = [p.grad for p in params]
-        try:
-            own = loss
-            if hooks:
-                own = fresh()
-                forwards += 1
-            grads = torch.autograd.grad(strat.scale(own), params, retain_graph=True, allow_unused=True)
-            for p, g in zip(params, grads):
-                p.grad = None if g is None else g.to(p.dtype)
-            strat.step(_NoStep(params))
-            strat.update()
-            chosen[name] = float(strat.get_scale())
-        except (RuntimeError, ValueError) as exc:
-            skipped[name] = " ".join(str(exc).split())[:160]
-        finally:
-            strat.detach()
-            for p, g in zip(params, saved):
-                p.grad = g
-    return chosen, skipped, forwards
 
 
 def backward_value(first: tuple[str, str], model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -297,115 +164,3 @@ def safe_scale(fmax: float, ref_rec: Record, ref: list[torch.Tensor]) -> float:
     ``fmax / max(|g|)`` (``inf`` for an all-zero gradient)."""
     peak = max([*ref_rec.grad_absmax.values(), *(float(r.abs().max()) for r in ref if r.numel())], default=0.0)
     return fmax / peak if peak > 0 else float("inf")
-
-
-@dataclass
-class Measured:
-    """Everything the passes measured; :func:`_decide` turns it into a :class:`Diagnosis`."""
-
-    precision: str
-    scale: float
-    fmax: float
-    bad_inputs: list[str]  # non-finite batch tensors or parameters
-    prior_norm: float  # ||.grad|| the step started with
-    ref: list[torch.Tensor]  # the fp32 gradient
-    ref_norm: float
-    ref_loss: float
-    ref_rec: Record
-    rec: Record
-    fp32_finite: bool
-    fwd_finite: bool
-    grads_finite: bool
-    at_one_finite: bool
-    back_first: tuple[str, str] | None
-    per_layer: list[LayerDamage]
-    chosen: dict[str, float]
-    skipped: dict[str, str]
-    passes: dict[str, int]
-
-
-def _bad_inputs(model: torch.nn.Module, batch: Any) -> list[str]:
-    bad = [f"parameter {n} holds {int((~torch.isfinite(p)).sum())} NaN/Inf entries (the weights are already lost)"
-           for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())][:3]
-    return bad + [f"batch tensor {i} ({tuple(t.shape)}) holds {int((~torch.isfinite(t)).sum())} NaN/Inf entries"
-                  for i, t in enumerate(tree_leaves(batch))
-                  if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
-
-
-def _norm(tensors: Sequence[torch.Tensor | None]) -> float:
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t is not None))
-
-
-def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[torch.nn.Parameter],
-             precision: str, S: float, dev: str, compare_strategies: bool,
-             strategy_names: Sequence[str] | None, forward_strategies: bool) -> Measured:
-    """The fp32 pass, then the mixed pass (module docstring), with the model left as it was."""
-    names, index = _layer_index(model, params)
-    passes = {"forward": 0, "backward": 0}
-    prior_norm = _norm([p.grad for p in params])
-    bad_inputs = _bad_inputs(model, batch)
-    grads_finite, at_one_finite = False, True
-    back_first: tuple[str, str] | None = None
-    chosen: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    per_layer: list[LayerDamage] = []
-    device = params[0].device
-    with _preserved(model, device):
-        rng = capture_rng(device)
-        # fp32: the reference gradient and the activation-gradient magnitudes.
-        ref_rec = Record(backward_on=True, wide=True)
-        with _hooks(model, ref_rec, dev), torch.autocast(dev, enabled=False), torch.enable_grad():
-            ref_loss = loss_fn(model, batch).float()
-            passes["forward"] += 1
-            fp32_finite = bool(torch.isfinite(ref_loss).all())
-            ref = _backward(ref_loss, params, 1.0) if fp32_finite else [torch.zeros_like(p) for p in params]
-            passes["backward"] += int(fp32_finite)
-        # mixed: forward under autocast, backward at S, and at 1 when S overflows (same graph).
-        restore_rng(rng, device)
-        rec = Record()
-        with _hooks(model, rec, dev), torch.enable_grad():
-            with torch.autocast(dev, dtype=DTYPES[precision]):
-                loss = loss_fn(model, batch)
-            passes["forward"] += 1
-            loss = loss.float()
-            fwd_finite = bool(torch.isfinite(loss).all())
-            if fwd_finite:
-                rec.backward_on = True
-                grads = _backward(loss, params, S)
-                passes["backward"] += 1
-                rec.backward_on = False
-                grads_finite = _all_finite(grads)
-                if fp32_finite:
-                    per_layer = _damage(grads, ref, S, names, index)
-                if not grads_finite:
-                    back_first = _first_backward(model, params, grads, rec)
-                    at_one_finite = _all_finite(_backward(loss, params, 1.0))
-                    passes["backward"] += 1
-                if compare_strategies and fp32_finite:
-                    def reference() -> torch.Tensor:
-                        with torch.autocast(dev, enabled=False):
-                            return loss_fn(model, batch).float()
-
-                    def fresh() -> torch.Tensor:
-                        restore_rng(rng, device)
-                        with torch.autocast(dev, dtype=DTYPES[precision]):
-                            return loss_fn(model, batch).float()
-                    chosen, skipped, forwards = _strategy_scales(
-                        strategy_names or strategies.available(), loss, params, model, reference,
-                        fresh if forward_strategies else None)
-                    passes["forward"] += forwards
-                    passes["backward"] += len(chosen)
-                    bound = safe_scale(float(torch.finfo(DTYPES[precision]).max), ref_rec, ref)
-                    candidates = set(chosen.values())
-                    if math.isfinite(bound) and bound >= 2.0:
-                        candidates.add(2.0 ** math.floor(math.log2(bound / 2)))  # the largest pow2 with 2x headroom
-                    for s in sorted(candidates - {S}):
-                        per_layer += _damage(_backward(loss, params, s), ref, s, names, index)
-                        passes["backward"] += 1
-    return Measured(precision, S, float(torch.finfo(DTYPES[precision]).max), bad_inputs, prior_norm, ref,
-                     _norm(ref), float(ref_loss.detach()), ref_rec, rec, fp32_finite, fwd_finite, grads_finite,
-                     at_one_finite, back_first, per_layer, chosen, skipped, passes)

@@ -31,6 +31,8 @@ from strategies.layer_groups import overflow_origin
 
 __all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
 
+__all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
+
 
 @functools.lru_cache(maxsize=8)
 def _erfinv(y: float) -> float:

@@ -53,6 +53,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["AMAX_ALGOS", "AmaxHistoryParams", "AmaxHistoryStrategy", "amax_history_update_"]
+
 AMAX_ALGOS = ("max", "most_recent")
 
 

@@ -73,6 +73,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["HYBRID_STATE", "HybridParams", "HybridStrategy", "hybrid_hparams", "hybrid_update_"]
+
 
 @dataclass
 class HybridParams(ProbeRule, MaxEmaParams):

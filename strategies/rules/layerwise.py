@@ -10,24 +10,19 @@ outermost match, first pattern wins). Every trainable parameter must belong to a
 group, and a group whose parameters receive gradients must have been called in forward
 (:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
 
-Mechanics (all scales are powers of two, so every rescaling below is exact unless the result
-leaves the format's range — which is precisely what scaling is about):
+Mechanics (all scales are powers of two, so every rescaling is exact unless the result leaves the
+format's range — which is precisely what scaling is about; the links and their maths:
+:mod:`strategies.group_links`):
 
 * :meth:`attach` registers the ``"rescale"`` stage of the model's layer boundaries
-  (:mod:`strategies.boundaries`) on the group modules. At every group call the graph between the
-  call's tensor arguments and the earlier group calls is walked: the group of a call's
-  *consumer* is recorded (:func:`strategies.layer_groups.link`). In backward the transform of a
-  call of group a receives the gradient of its output at the scale of its consumer's group b and
-  multiplies it by ``S_a / S_b`` (in float32, cast back to the gradient's dtype). Hence a group's
-  parameter gradients carry S_l, and the glue ops between two group calls work at the scale of
-  the consuming group. Transforms are per call, so a module called several times (shared
-  weights, recurrences) is handled, and the order in which groups are listed or registered does
-  not matter: only the graph does (models in a container listed [b, a] and called a then b).
-* :meth:`scale` walks from the loss to the calls it consumes directly and multiplies it by the
-  scale of their consumer group (the group already consuming one of them, else the group of the
-  latest: the group nearest the loss); :meth:`get_scale` returns that scale. Several models
-  feeding one loss, several losses (``retain_graph=True``), an auxiliary loss on an inner
-  activation at the scale of the group consuming it: all exact.
+  (:mod:`strategies.boundaries`) on the group modules. The transform of a call of group a
+  receives the gradient of its output at the scale of its consumer's group b and multiplies it by
+  ``S_a / S_b``: a group's parameter gradients carry S_l. Transforms are per call (shared weights,
+  recurrences), and only the graph matters, not the order groups are listed or registered in
+  (models in a container listed [b, a] and called a then b).
+* :meth:`scale` multiplies the loss by the scale of the group consuming what it consumes (the group
+  nearest the loss); :meth:`get_scale` returns that scale. Several models feeding one loss, several
+  losses (``retain_graph=True``), an auxiliary loss on an inner activation: all exact.
 * The boundaries act only in a backward of a tensor :meth:`scale` returned
   (:class:`strategies.boundaries.ScaledBackwards`): a plain ``loss.backward()`` (logging, an fp32
   reference) gives plain gradients.
@@ -35,7 +30,7 @@ leaves the format's range — which is precisely what scaling is about):
   create_graph=True)`` returns each group's gradients at its own scale; unscale them with
   :meth:`unscale_grads`, not ``1 / get_scale()`` — :meth:`get_scale` and :meth:`unscale_` raise
   ``RuntimeError`` between such a backward and :meth:`unscale_grads`. Then
-  ``strategy.scale(loss + penalty).backward()`` is exact (the maths in :meth:`unscale_grads`).
+  ``strategy.scale(loss + penalty).backward()`` is exact.
 * :meth:`unscale_` divides each group's parameter gradients by its own S_l.
 * An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
   skip connection across a group boundary), is refused with one ``ValueError`` at the forward
@@ -68,24 +63,26 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
-from strategies.rules import adaloss
-
-from strategies import layer_groups
+from strategies import group_links, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, ScaledBackwards, Trace, reached, tensors_in
+from strategies.boundaries import Boundaries, ScaledBackwards, Trace
 from strategies.formats import round_down_pow2
+from strategies.group_links import GroupLinks
 from strategies.layer_groups import overflow_origin
-from strategies.rules.max_ema import MaxEmaRule, max_ema_update_
-from strategies.rules.native import native_update_
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
+from strategies.rules import adaloss
+from strategies.rules.max_ema import MaxEmaRule, max_ema_update_
+from strategies.rules.native import native_update_
 from strategies.state import State
 from strategies.stats import GradStats
+
+__all__ = ["LayerwiseParams", "LayerwiseStrategy", "RULES", "layerwise_update_"]
 
 RULES = ("max_ema", "backoff_growth", "adaloss")
 """Per-group rules. ``adaloss`` (strategies/rules/adaloss.py) updates through its own op, ``adaloss_step_``
@@ -201,40 +198,6 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
         return lo, hi
 
 
-def _times(g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """``g * ratio``; for fp16/bf16/fp8 in float32 and cast back (the ratio may not fit the format)."""
-    if g.dtype.itemsize < 4:
-        return (g.float() * ratio).to(g.dtype)
-    return g * ratio.to(g.dtype)
-
-
-class _StraightThrough(torch.autograd.Function):
-    """``g * ratio`` whose derivative with respect to ``g`` is taken as 1 (the boundary in a
-    create_graph backward; :meth:`LayerwiseStrategy.unscale_grads` states why)."""
-
-    @staticmethod
-    def forward(ctx: Any, g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _times(g, ratio)
-
-    @staticmethod
-    def backward(ctx: Any, c: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return c, None
-
-
-class _Unscale(torch.autograd.Function):
-    """``g * inv`` whose derivative with respect to ``g`` is ``inv_out`` (see ``unscale_grads``)."""
-
-    @staticmethod
-    def forward(ctx: Any, g: torch.Tensor, inv: torch.Tensor, inv_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inv_out)
-        return _times(g, inv)
-
-    @staticmethod
-    def backward(ctx: Any, c: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (inv_out,) = ctx.saved_tensors
-        return _times(c, inv_out), None, None
-
-
 def _adaloss(params: LayerwiseParams) -> bool:
     return params.rule == "adaloss"
 
@@ -266,28 +229,23 @@ class LayerwiseStrategy(Strategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._group_names: list[str] = ["all"]
+        self._links = GroupLinks(["all"], {})  # the groups of the current attach (a new object per attach)
         self._param_group: dict[int, int] = {}
         self._weight_stats: tuple[Any, adaloss.WeightStats] | None = None
-        self._module_group: dict[int, int] = {}
         self._weights: list[list[torch.Tensor]] = [[]]  # per group, for rule adaloss
         self._handle: Any = None
         self._boundaries: Boundaries | None = None
         self._scaled = ScaledBackwards()
-        self._key = object()  # this attach's entry in a trace's data
-        self._generation = 0
-        self._called: set[int] = set()
-        self._called_at = -1
         self._unscale_pending = False  # a create_graph backward crossed a boundary since unscale_grads
 
     # ------------------------------------------------------------------ groups
     @property
     def num_groups(self) -> int:
-        return len(self._group_names)
+        return len(self._links.names)
 
     @property
     def group_names(self) -> list[str]:
-        return list(self._group_names)
+        return list(self._links.names)
 
     def attach(self, model: torch.nn.Module) -> "LayerwiseStrategy":
         """Split ``model`` into groups and register the boundary rescaling (replacing an earlier
@@ -296,37 +254,21 @@ class LayerwiseStrategy(Strategy):
         self.detach()
         if not self.params.enabled:
             return self
-        resolved = layer_groups.resolve(model, self.params.groups)
-        if not resolved:  # a leaf model: one group, no boundary
-            resolved = [(type(model).__name__, [])]
-            param_group = {id(p): 0 for p in model.parameters()}
-        else:
-            param_group = {}
-            for gi, (_, mods) in enumerate(resolved):
-                for m in mods:
-                    for p in m.parameters():
-                        param_group.setdefault(id(p), gi)
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in param_group]
-        if missing:
-            raise ValueError(f"layerwise: parameters {missing} belong to no group; "
-                             "pass groups=[...] patterns that cover every trainable parameter")
+        resolved, param_group = layer_groups.assign(model, self.params.groups)
         modules = [m for _, mods in resolved for m in mods]
-        gen = self._generation + 1
+        links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods})
         if modules:
             boundaries = Boundaries.of(model)
             self._handle = boundaries.register(
                 "rescale", modules,
-                on_grad=lambda trace, i, g: self._rescale(gen, trace, i, g),
-                on_call=lambda trace, i: self._on_call(gen, trace, i),
-                on_link=lambda trace, i, below: self._on_link(gen, trace, i, below),
+                on_grad=lambda trace, i, g: self._rescale(links, trace, i, g),
+                on_call=lambda trace, i: self._current(links, links.on_call, trace, i, self.updates),
+                on_link=lambda trace, i, below: self._current(links, links.on_link, trace, i, below),
                 owner=self,
             )
             self._boundaries = boundaries
-        self._generation = gen
-        self._key = object()
-        self._group_names = [n for n, _ in resolved]
+        self._links = links
         self._param_group = param_group
-        self._module_group = {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods}
         self._weights = [list({id(p): p for m in mods for p in m.parameters()}.values()) for _, mods in resolved]
         self.regroup_()
         self.output_group = len(resolved) - 1
@@ -338,92 +280,40 @@ class LayerwiseStrategy(Strategy):
             self._handle.remove()
             self._handle = None
         self._boundaries = None
-        self._generation += 1
-        self._called = set()
         self._unscale_pending = False
         if self.num_groups > 1 or self._param_group:
-            self._group_names = ["all"]
-            self._param_group, self._module_group, self._weights = {}, {}, [[]]
+            self._links = GroupLinks(["all"], {})
+            self._param_group, self._weights = {}, [[]]
             self.regroup_()
+        else:  # a new object all the same: the callbacks of the last attach stop acting
+            self._links = GroupLinks(self._links.names, self._links.module_group)
 
     # ------------------------------------------------------------------ forward / backward
-    def _links(self, trace: Trace) -> layer_groups.Links:
-        links = trace.data.get(self._key)
-        if links is None:
-            links = trace.data[self._key] = layer_groups.Links()
-        return links
+    def _current(self, links: GroupLinks, callback: Any, *args: Any) -> None:
+        """Run a boundary callback of the attach that made ``links`` only while it is the current one."""
+        if links is self._links:
+            callback(*args)
 
-    def _group_of_call(self, trace: Trace, i: int) -> int:
-        return self._module_group[id(trace.calls[i])]
-
-    def _mine(self, trace: Trace, i: int) -> bool:
-        return id(trace.calls[i]) in self._module_group
-
-    def _on_call(self, gen: int, trace: Trace, i: int) -> None:
-        if gen != self._generation:
+    def before_scale(self, outputs: Any) -> None:
+        """Attached: choose the loss-side group for ``outputs`` (:meth:`GroupLinks.place_loss`),
+        and so the scale :meth:`scale` multiplies by."""
+        if self._handle is None:
             return
-        if self._called_at != self.updates:
-            self._called, self._called_at = set(), self.updates
-        self._called.add(self._group_of_call(trace, i))
-
-    def _on_link(self, gen: int, trace: Trace, i: int, below: list[tuple[Trace, int]]) -> None:
-        """Call i's tensor arguments consume the outputs of ``below``: their gradient arrives at
-        call i's group's scale."""
-        if gen != self._generation:
-            return
-        g = self._group_of_call(trace, i)
-        for tr, k in below:
-            layer_groups.link(self._links(tr), k, g, self._group_names[self._group_of_call(tr, k)],
-                              f"group {self._group_names[g]!r}", self._group_names)
-
-    def _place_loss(self, outputs: Any) -> None:
-        """Choose the loss-side group for ``outputs`` (and so the scale :meth:`scale` applies):
-        the group already consuming a call the loss consumes directly, else the group of the
-        latest such call. After a create_graph backward (gradient penalty) the trace keeps the
-        group of its first loss (the graph now also reaches the calls through that backward)."""
         trace = self._boundaries.trace if self._boundaries is not None else None
-        current = trace.data.get(self._key) if trace is not None else None
-        if current is not None and current.double:
-            if current.loss_group is not None:
-                self.output_group = current.loss_group
-            return
-        found = reached(tensors_in(outputs), self._mine)
-        if not found:
-            return
-        labels = [self._links(tr).consumer[k] for tr, k in found if k in self._links(tr).consumer]
-        if labels:
-            group = labels[0]
-        else:
-            latest = found[-1] if trace is None else max(found, key=lambda c: (c[0] is trace, c[1]))
-            group = self._group_of_call(*latest)
-        by = f"the loss given to scale() (at group {self._group_names[group]!r}'s scale)"
-        for tr, k in found:
-            layer_groups.link(self._links(tr), k, group, self._group_names[self._group_of_call(tr, k)], by,
-                              self._group_names)
-            self._links(tr).loss_group = group
-        self.output_group = group
+        group = self._links.place_loss(outputs, trace)
+        if group is not None:
+            self.output_group = group
 
-    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """``outputs`` times the scale of their loss-side group (:meth:`_place_loss`); the
-        boundaries rescale only the backwards of tensors returned here (module docstring)."""
-        if self._handle is None or not self.params.enabled:
-            return super().scale(outputs)
-        self._place_loss(outputs)
-        return self._scaled.mark(super().scale(outputs))
+    def after_scale(self, scaled: Any) -> Any:
+        """Attached: the boundaries rescale only the backwards of what :meth:`scale` returns."""
+        return scaled if self._handle is None else self._scaled.mark(scaled)
 
-    def _rescale(self, gen: int, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+    def _rescale(self, links: GroupLinks, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b.
-        Only in a backward of a loss that went through :meth:`scale`."""
-        if gen != self._generation or self.state is None or not self._scaled.active():
+        Only in a backward of a loss that went through :meth:`scale`, and of the current attach."""
+        if links is not self._links or self.state is None or not self._scaled.active():
             return None
-        a = self._group_of_call(trace, i)
-        links = trace.data.get(self._key)
-        b = None if links is None else links.consumer.get(i)
-        if b is None:
-            raise RuntimeError(
-                f"layerwise: a gradient reaches the output of group {self._group_names[a]!r} from an op the "
-                "boundaries did not see (neither a tensor argument of a group module nor the loss given to "
-                "scale()), so its scale is unknown; scale the whole loss with strategy.scale(loss)")
+        a, b, trace_links = links.ends(trace, i)
         s = self.state
         if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
             adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
@@ -432,12 +322,9 @@ class LayerwiseStrategy(Strategy):
         bad = (~torch.isfinite(grad)).any().float()
         s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
         s.emitted[b] = torch.maximum(s.emitted[b], bad)
-        ratio = s.scale[a] / s.scale[b]
         if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates this backward
-            links.double = True
             self._unscale_pending = True
-            return _StraightThrough.apply(grad, ratio)
-        return _times(grad, ratio)
+        return group_links.rescale(trace_links, grad, s.scale[a] / s.scale[b])
 
     # ------------------------------------------------------------------ gradient penalty
     def unscale_grads(self, grads: Sequence[torch.Tensor | None],
@@ -446,40 +333,26 @@ class LayerwiseStrategy(Strategy):
         returned, at scale 1: each divided by its own group's scale S_l (GradScaler's recipe
         multiplies by ``1 / get_scale()``, which is only the loss-side group's). Differentiable,
         for a gradient penalty, and exact: then ``strategy.scale(loss + penalty).backward()``
-        gives every group's parameters ``S_l * d(loss + penalty)/dp`` (tested against GradScaler).
-
-        Maths: in the create_graph backward each boundary returns ``g * S_a/S_b`` with derivative
-        1, and this returns ``g / S_l`` with derivative ``1 / S_out`` (``S_out`` the loss-side
-        scale): in the second backward the adjoint of every first-backward gradient is then its
-        derivative at scale 1, so what flows from it into the forward activations of group l
-        carries ``S_l``, the scale the boundaries expect there."""
+        gives every group's parameters ``S_l * d(loss + penalty)/dp`` (tested against GradScaler;
+        the maths: :mod:`strategies.group_links`)."""
         state = self._check_initialized("unscale_grads")
         grads, params = list(grads), list(params)
         if len(grads) != len(params):
             raise ValueError(f"unscale_grads: grads and params must have the same length, got {len(grads)} "
                              f"and {len(params)}")
         index = self.group_index(params) or [0] * len(params)
-        inv = 1.0 / state.scale.reshape(-1).float()
-        inv_out = 1.0 / self.output_scale().float()
         self._unscale_pending = False
-        return [None if g is None else _Unscale.apply(g, inv[gi], inv_out) for g, gi in zip(grads, index)]
+        return group_links.unscale(grads, index, state.scale, self.output_scale())
 
-    def _refuse_pending(self, what: str) -> None:
+    def guard(self, what: str) -> None:
+        """:meth:`get_scale` and :meth:`unscale_` are refused (``RuntimeError``) between a
+        create_graph backward and :meth:`unscale_grads`, where ``1 / get_scale()`` would unscale
+        groups wrongly."""
         if self._unscale_pending:
             raise RuntimeError(
                 f"layerwise: {what} after a create_graph backward (gradient penalty): its gradients come back at "
                 "each group's own scale, not at the loss-side get_scale(); unscale them with "
                 "strategy.unscale_grads(grads, params) (docs/strategy-api.md)")
-
-    def get_scale(self) -> float:
-        """The loss-side scale; refused (``RuntimeError``) between a create_graph backward and
-        :meth:`unscale_grads`, where ``1 / get_scale()`` would unscale groups wrongly."""
-        self._refuse_pending("get_scale()")
-        return super().get_scale()
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self._refuse_pending("unscale_()")
-        super().unscale_(optimizer)
 
     def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
         """Each parameter's group. Refuses gradients whose scale is unknown: a group whose
@@ -492,12 +365,7 @@ class LayerwiseStrategy(Strategy):
         except KeyError:
             raise ValueError("layerwise: the optimizer holds a parameter outside the attached model") from None
         if self._handle is not None and self.num_groups > 1:
-            called = self._called if self._called_at == self.updates else set()
-            for gi in sorted(set(index) - called):
-                raise RuntimeError(
-                    f"layerwise: group {self._group_names[gi]!r} has gradients but none of its "
-                    "modules was called in forward since the last update, so their scale is "
-                    "unknown; choose groups (patterns) of modules that are called")
+            self._links.refuse_uncalled(index, self.updates)
         return index
 
     # ------------------------------------------------------------------ the rule
@@ -506,7 +374,7 @@ class LayerwiseStrategy(Strategy):
         p, s = self.params, self.state
         lo, hi = p.pow2_bounds
         if p.rule == "adaloss":
-            key = (self._generation, s.scale.device)
+            key = (self._links, s.scale.device)
             if self._weight_stats is None or self._weight_stats[0] != key:  # built once per attach
                 self._weight_stats = (key, adaloss.WeightStats(self._weights, s.scale.device))
             w2, wmax, fan = self._weight_stats[1]()

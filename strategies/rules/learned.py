@@ -74,6 +74,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["LEARNED_STATE", "LN2", "LearnedParams", "LearnedStrategy", "learned_hparams", "learned_update_"]
+
 LN2 = math.log(2.0)
 
 

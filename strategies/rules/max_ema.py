@@ -58,6 +58,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["MAX_EMA_STATE", "MaxEmaParams", "MaxEmaRule", "MaxEmaStrategy", "ZERO_GRADS_MODES", "max_ema_update_"]
+
 ZERO_GRADS_MODES = ("grow", "keep")
 
 

@@ -49,6 +49,11 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = [
+    "HYSTERESIS_REFILL", "NativeParams", "NativeStrategy", "native_floor_hit", "native_update_",
+    "refill_on_clean_step_",
+]
+
 
 def native_update_(
     scale: torch.Tensor,

@@ -70,6 +70,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["NormRatioParams", "NormRatioStrategy", "norm_ratio_update_"]
+
 
 def norm_ratio_update_(
     scale: torch.Tensor,

@@ -28,6 +28,8 @@ from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.stats import GradStats
 
+__all__ = ["StaticParams", "StaticStrategy", "static_update_"]
+
 
 def static_update_(scale: torch.Tensor, found_inf: torch.Tensor) -> None:
     """The static rule: S is left as it is whatever ``found_inf`` says (no device work at all)."""

@@ -53,6 +53,8 @@ from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
 
+__all__ = ["ToleranceParams", "ToleranceStrategy", "tolerance_update_"]
+
 
 def tolerance_update_(
     scale: torch.Tensor,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -43,6 +43,8 @@ from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import E_BINS, E_LO, GradStats, exponent_histogram
+
+__all__ = ["UnderflowTargetParams", "UnderflowTargetStrategy", "underflow_target_update_"]
 
 def underflow_target_update_(
     scale: torch.Tensor,
@@ -115,13 +117,14 @@ class UnderflowTargetStrategy(Strategy):
         self._handle = self._boundaries.register("observe", modules, on_grad=self._observe, owner=self)
         return self
 
-    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """As GradScaler; an attached strategy observes only the backwards of what this returns."""
-        if self._handle is None or not self.params.enabled:
-            return super().scale(outputs)
-        if isinstance(outputs, (torch.Tensor, list, tuple)):
+    def before_scale(self, outputs: Any) -> None:
+        """An attached strategy settles its boundaries on the loss first."""
+        if self._handle is not None and isinstance(outputs, (torch.Tensor, list, tuple)):
             self._boundaries.settle(outputs)
-        return self._scaled.mark(super().scale(outputs))
+
+    def after_scale(self, scaled: Any) -> Any:
+        """An attached strategy observes only the backwards of what :meth:`scale` returns."""
+        return scaled if self._handle is None else self._scaled.mark(scaled)
 
     def detach(self) -> None:
         if self._handle is not None:

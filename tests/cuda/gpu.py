@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from strategies import kernels
+from strategies import kernel_build
 from strategies.stats import GradStats, unscale_and_stats_reference
 from tests.cuda.gradients import assert_bits_equal
 
@@ -26,7 +26,7 @@ def no_sync() -> Iterator[None]:
 def _geometry() -> tuple[int, int]:
     """(elements per chunk, chunks per launch) of the statistics pass, read from its source so the
     re-launch cases follow the kernel (the larger table: CUDA 12.1+)."""
-    src = (kernels.source_dir() / "kernels" / "stats_kernel.cu").read_text()
+    src = (kernel_build.source_dir() / "kernels" / "stats_kernel.cu").read_text()
     chunk = 1 << int(re.search(r"constexpr int64_t kChunk = 1 << (\d+);", src).group(1))
     per_launch = max(int(m) for m in re.findall(r"constexpr int kMaxChunks = (\d+);", src))
     return chunk, per_launch

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies import binding, kernels
+from strategies import binding, kernel_build, kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 from tests.cuda.gradients import assert_bits_equal, make_grads
 from tests.cuda.samples import SAMPLES, TWINS
@@ -65,14 +65,14 @@ def test_can_be_disabled_silently():
 
 
 def test_sources_are_found_from_the_checkout():
-    src = kernels.source_dir()
+    src = kernel_build.source_dir()
     assert (src / "ops.cpp").is_file() and (src / "include" / "scalelab_rules.h").is_file()
     assert list((src / "kernels").glob("*.cu")) and list((src / "cpu").glob("*.cpp"))
 
 
 def test_build_directory_is_stable_and_holds_the_library(ops):
-    d = kernels.build_directory()
-    assert d == kernels.build_directory()
+    d = kernel_build.build_directory()
+    assert d == kernel_build.build_directory()
     assert (d / "scalelab_ops.so").is_file() or list(d.glob("scalelab_ops*.so"))
 
 

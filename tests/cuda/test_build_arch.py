@@ -12,13 +12,13 @@ import warnings
 import pytest
 import torch
 
-from strategies import kernels
+from strategies import kernel_build, kernels
 
 NVCC13 = ("13.0", {"75", "80", "86", "89", "90", "100", "120"})
 
 
 def test_pre_volta_and_unsupported_entries_are_left_out_with_their_reason():
-    arch, dropped = kernels.build_arch_list("6.0;7.0 7.5;8.0+PTX Pascal;Ampere;9.0", NVCC13)
+    arch, dropped = kernel_build.build_arch_list("6.0;7.0 7.5;8.0+PTX Pascal;Ampere;9.0", NVCC13)
     assert arch == "7.5;8.0+PTX;Ampere;9.0"
     assert dropped == ["6.0 (before Volta: the statistics kernel's 32 KB parameter needs sm_70 or newer)",
                        "7.0 (nvcc 13.0 cannot compile for it)",
@@ -26,13 +26,13 @@ def test_pre_volta_and_unsupported_entries_are_left_out_with_their_reason():
 
 
 def test_unknown_nvcc_keeps_every_volta_or_newer_entry():
-    assert kernels.build_arch_list("5.2;7.0;9.0", None)[0] == "7.0;9.0"
+    assert kernel_build.build_arch_list("5.2;7.0;9.0", None)[0] == "7.0;9.0"
 
 
 def test_no_buildable_entry_is_one_clear_error():
     with pytest.raises(RuntimeError, match=r"^TORCH_CUDA_ARCH_LIST='6.1' has no architecture the CUDA kernels can "
                                            r"be built for: 6.1 \(before Volta"):
-        kernels.build_arch_list("6.1", NVCC13)
+        kernel_build.build_arch_list("6.1", NVCC13)
 
 
 def test_build_uses_the_filtered_list_warns_once_and_restores_the_variable(monkeypatch):
@@ -41,17 +41,17 @@ def test_build_uses_the_filtered_list_warns_once_and_restores_the_variable(monke
     seen = []
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "6.1;8.0;9.0")
     monkeypatch.setenv("SCALELAB_EXT_DIR", "/tmp/scalelab-test-build-arch")
-    monkeypatch.setattr(kernels, "_nvcc_archs", lambda: NVCC13)
+    monkeypatch.setattr(kernel_build, "nvcc_archs", lambda: NVCC13)
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append((os.environ["TORCH_CUDA_ARCH_LIST"],
                                                                            kw["with_cuda"])))
     with pytest.warns(RuntimeWarning, match=r"entries left out of the kernel build: 6\.1 \(before Volta.*"
                                             r"building for 8\.0;9\.0") as rec:
-        kernels._build(True)
+        kernel_build.build(True)
     assert len(rec) == 1 and seen == [("8.0;9.0", True)]
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "6.1;8.0;9.0"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kernels._build(False)  # a CPU build ignores the list
+        kernel_build.build(False)  # a CPU build ignores the list
     assert seen[-1] == ("6.1;8.0;9.0", False)
 
 
@@ -91,9 +91,9 @@ def test_load_builds_the_cpu_ops_alone_when_every_gpu_is_pre_volta(monkeypatch, 
     built = []
     fake_gpus[0] = (6, 0)
     monkeypatch.setattr(kernels, "_loaded", None)
-    monkeypatch.setattr(kernels, "_use_cuda", lambda: True)
+    monkeypatch.setattr(kernel_build, "use_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(kernels, "_build", built.append)
+    monkeypatch.setattr(kernel_build, "build", built.append)
     monkeypatch.setattr(kernels, "_register_fakes", lambda: None)
     monkeypatch.setattr(torch.ops.scalelab, "unscale_and_stats", object(), raising=False)
     with pytest.warns(RuntimeWarning, match=r"no CUDA kernels: cuda:0 \(GPU0\) is sm_60.*building the CPU ops only"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies import kernels
+from strategies import kernel_build
 
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
@@ -30,7 +30,7 @@ int main() {
 
 def test_headers_compile_without_torch(tmp_path: Path):
     """Each rule's header (include/rules/, one per rule) compiles alone: it includes what it uses."""
-    inc = kernels.source_dir() / "include"
+    inc = kernel_build.source_dir() / "include"
     rules = sorted(p.name for p in (inc / "rules").glob("*.h"))
     assert {"max_ema.h", "layerwise.h", "adaloss.h", "hybrid.h", "native.h"} <= set(rules), rules
     assert not list(inc.glob("*_more.h")), "headers are split by content, one per rule"
@@ -46,7 +46,7 @@ def test_host_program_matches_torch(tmp_path: Path):
     src = tmp_path / "main.cpp"
     src.write_text(PROGRAM)
     exe = tmp_path / "main"
-    res = subprocess.run([CXX, "-std=c++17", "-O2", "-I", str(kernels.source_dir() / "include"), str(src), "-o",
+    res = subprocess.run([CXX, "-std=c++17", "-O2", "-I", str(kernel_build.source_dir() / "include"), str(src), "-o",
                           str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies import kernels
+from strategies import kernel_build
 from strategies.rules.hybrid import hybrid_update_
 from strategies.rules.max_ema import max_ema_update_
 from strategies.rules.norm_ratio import norm_ratio_update_
@@ -113,7 +113,7 @@ def test_host_nan_is_the_host_cpus_own_nan(tmp_path: Path):
     of a NaN (rn_sqrt creates torch's NaN for a negative argument, as the twins' torch.sqrt)."""
     src, exe = tmp_path / "nan.cpp", tmp_path / "nan"
     src.write_text(HOST_PROGRAM)
-    res = subprocess.run(["g++", "-std=c++17", "-O0", "-ffp-contract=off", "-I", str(kernels.source_dir() / "include"),
+    res = subprocess.run(["g++", "-std=c++17", "-O0", "-ffp-contract=off", "-I", str(kernel_build.source_dir() / "include"),
                           str(src), "-o", str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)

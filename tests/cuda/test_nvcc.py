@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from strategies import kernels
+from strategies import kernel_build
 
 NVCC = shutil.which("nvcc")
-CU_FILES = sorted((kernels.source_dir() / "kernels").glob("*.cu"))
+CU_FILES = sorted((kernel_build.source_dir() / "kernels").glob("*.cu"))
 pytestmark = [pytest.mark.nvcc, pytest.mark.skipif(NVCC is None, reason="nvcc not found")]
 
 
@@ -23,7 +23,7 @@ def test_there_are_kernels():
 
 @pytest.mark.parametrize("cu", CU_FILES, ids=lambda p: p.name)
 def test_cu_compiles_for_sm80_and_sm90(cu: Path, tmp_path: Path):
-    cmd = [NVCC, "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o")), "-I", str(kernels.source_dir() / "include"),
+    cmd = [NVCC, "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o")), "-I", str(kernel_build.source_dir() / "include"),
            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
            "-Werror", "all-warnings"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -50,9 +50,9 @@ def _host_compile_with_cuda(tmp_path: Path, source: str, *flags: str) -> subproc
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    cmd = [cxx, "-std=c++20", *flags, "-DSCALELAB_WITH_CUDA", "-I", str(kernels.source_dir() / "include"),
+    cmd = [cxx, "-std=c++20", *flags, "-DSCALELAB_WITH_CUDA", "-I", str(kernel_build.source_dir() / "include"),
            "-I", str(tmp_path), "-I", str(cuda_inc), *[f"-isystem{p}" for p in include_paths()],
-           str(kernels.source_dir() / source)]
+           str(kernel_build.source_dir() / source)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -73,9 +73,9 @@ def test_update_ops_cuda_path_links(tmp_path: Path):
     obj = tmp_path / "update_ops.o"
     res = _host_compile_with_cuda(tmp_path, "cpu/update_cpu.cpp", "-c", "-O0", "-o", str(obj))
     assert res.returncode == 0, res.stderr[-4000:]
-    cu = kernels.source_dir() / "kernels" / "update_kernels.cu"
+    cu = kernel_build.source_dir() / "kernels" / "update_kernels.cu"
     cu_obj = tmp_path / "update_kernels.o"
-    res = subprocess.run([NVCC, "-c", str(cu), "-o", str(cu_obj), "-I", str(kernels.source_dir() / "include"),
+    res = subprocess.run([NVCC, "-c", str(cu), "-o", str(cu_obj), "-I", str(kernel_build.source_dir() / "include"),
                           "-arch=sm_80"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
 
@@ -94,9 +94,9 @@ def test_stats_kernel_geometry_in_ptx(tmp_path: Path):
     of issue 15 A.4 survives as compiled code, not only as source."""
     import re
 
-    cu = kernels.source_dir() / "kernels" / "stats_kernel.cu"
+    cu = kernel_build.source_dir() / "kernels" / "stats_kernel.cu"
     ptx = tmp_path / "stats.ptx"
-    cmd = [NVCC, "-ptx", "-arch=sm_90", "-O3", "--fmad=false", "-I", str(kernels.source_dir() / "include"), str(cu),
+    cmd = [NVCC, "-ptx", "-arch=sm_90", "-O3", "--fmad=false", "-I", str(kernel_build.source_dir() / "include"), str(cu),
            "-o", str(ptx)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

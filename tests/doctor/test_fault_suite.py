@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import strategies.doctor
 from experiments.doctor import cases as doctor_cases, evaluate as doctor_eval
-from strategies.doctor import CAUSES
+from strategies.doctor import CAUSES, DECISIONS, decision_list
 
 CASES = doctor_cases.cases()
 
@@ -64,7 +65,19 @@ def test_docs_are_generated_from_the_results(tmp_path) -> None:
     text = path.read_text()
     assert doctor_eval.table(results) in text and "Minimum loss scale reached" in text
     assert "| forward_overflow | 3 |" in text and "`blocks.0.fc_out`" in text
+    assert decision_list() in text
     torch.manual_seed(0)
+
+
+def test_the_decision_list_is_data_one_decision_per_cause_rendered_once() -> None:
+    """The doctor's docstring and docs/doctor.md show the list rendered from ``DECISIONS``; the
+    last decision (``healthy``) holds for every step."""
+    assert sorted(d.cause for d in DECISIONS) == sorted(CAUSES)
+    assert DECISIONS[-1].cause == "healthy" and DECISIONS[-1].holds(None)  # type: ignore[arg-type]
+    rendered = decision_list()
+    assert rendered.startswith("1. ``nan_in_data_or_loss`` — ")
+    assert rendered.endswith("8. ``healthy`` — none of the above.")
+    assert rendered in (strategies.doctor.__doc__ or rendered)
 
 
 def test_min_scale_line_fires_on_an_overflow_kept_in_grad() -> None:

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from experiments.app import train
-from strategies import kernels
+from strategies import kernel_build
 from tests.experiments.runs import QUIET, TINY
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
@@ -78,7 +78,7 @@ def test_sdist_and_wheel_ship_conf_and_kernel_sources(installed) -> None:
 def test_installed_scripts_train_and_report_outside_the_checkout(installed) -> None:
     site, cwd = installed["site"], installed["cwd"]
     env = _env(site, SCALELAB_KERNELS="0")
-    where = _run([sys.executable, "-c", "import analysis, experiments.app.train as t, strategies.kernels as k; "
+    where = _run([sys.executable, "-c", "import analysis, experiments.app.train as t, strategies.kernel_build as k; "
                   "print(analysis.__file__, t.__file__, k.__file__, t.CONF_DIR, k.source_dir(), sep='\\n')"],
                  cwd=cwd, env=env).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in where), where
@@ -102,8 +102,8 @@ def test_installed_scripts_train_and_report_outside_the_checkout(installed) -> N
 def test_installed_kernels_build_from_the_installed_sources(installed, tmp_path: Path) -> None:
     site, ext = installed["site"], tmp_path / "ext"
     before = _files(site)
-    probe = ("from strategies import kernels; ok = kernels.load(); "
-             "print(ok, kernels.unavailable_reason() or '-', kernels.source_dir(), sep='\\n')")
+    probe = ("from strategies import kernel_build, kernels; ok = kernels.load(); "
+             "print(ok, kernels.unavailable_reason() or '-', kernel_build.source_dir(), sep='\\n')")
     out = _run([sys.executable, "-c", probe], cwd=installed["cwd"], env=_env(site, SCALELAB_EXT_DIR=str(ext)),
                timeout=600).stdout.splitlines()
     assert out[0] == "True", out
@@ -113,10 +113,10 @@ def test_installed_kernels_build_from_the_installed_sources(installed, tmp_path:
 
 
 def test_env_overrides_come_first_and_a_checkout_uses_its_root_folders(monkeypatch, tmp_path: Path) -> None:
-    assert train.CONF_DIR == REPO / "conf" and kernels.source_dir() == REPO / "cuda"
+    assert train.CONF_DIR == REPO / "conf" and kernel_build.source_dir() == REPO / "cuda"
     monkeypatch.setenv("SCALELAB_CONF_DIR", str(tmp_path))
     monkeypatch.setenv("SCALELAB_CUDA_SRC", str(tmp_path))
-    assert train._conf_dir() == tmp_path.resolve() and kernels.source_dir() == tmp_path
+    assert train._conf_dir() == tmp_path.resolve() and kernel_build.source_dir() == tmp_path
 
 
 def test_the_ninja_dependency_is_found_without_an_activated_venv(monkeypatch) -> None:
@@ -124,9 +124,8 @@ def test_the_ninja_dependency_is_found_without_an_activated_venv(monkeypatch) ->
     activated) has the pip package's executable off PATH, so the build puts it there."""
     import shutil
 
-    import strategies.kernels as kernels
 
     monkeypatch.setenv("PATH", "/nonexistent")
     assert shutil.which("ninja") is None
-    kernels._ninja_on_path()
+    kernel_build.ninja_on_path()
     assert shutil.which("ninja") is not None

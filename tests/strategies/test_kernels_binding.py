@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from strategies import base, binding
+from strategies import base, binding, kernels
 from strategies.rules.hybrid import HybridStrategy, hybrid_update_
 from strategies.rules.layerwise import LayerwiseStrategy
 from strategies.rules.max_ema import MaxEmaStrategy, max_ema_update_
@@ -25,7 +25,7 @@ def _recorded(monkeypatch: pytest.MonkeyPatch, s: base.Strategy, found: torch.Te
               stats: GradStats | None) -> dict[str, tuple[Any, ...]]:
     """Run ``s.update_`` with dispatch recording its (op, arguments) instead of running anything."""
     calls: dict[str, tuple[Any, ...]] = {}
-    monkeypatch.setattr(base.kernels, "dispatch", lambda op, twin, *args: calls.__setitem__(op, args))
+    monkeypatch.setattr(kernels, "dispatch", lambda op, twin, *args: calls.__setitem__(op, args))
     s.update_(found, stats)
     return calls
 
