@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 from strategies import validation as v
 
-__all__ = ["DISTRIBUTED_MODES", "GRADSCALER_POSITIONAL", "ScalerParams", "bind_arguments", "hp", "describe", "signature",
-           "sign_init"]
+__all__ = ["DISTRIBUTED_MODES", "GRADSCALER_POSITIONAL", "ScalerParams", "bind_arguments", "hp", "describe", "defaults",
+           "signature", "sign_init"]
 
 DISTRIBUTED_MODES = ("auto", "off", "replicated", "sharded")
 
@@ -105,6 +105,30 @@ def describe(params_cls: type[ScalerParams]) -> list[dict[str, Any]]:
          "source": f.metadata.get("source", ""), "doc": f.metadata.get("doc", "")}
         for f in dataclasses.fields(params_cls)
     ]
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """Every field of the dataclass ``cls`` and its default, as a config file writes it: the keys and
+    defaults of its config node (e.g. the schema a ``conf/strategy/<name>.yaml`` merges onto, so
+    that the YAML states only what differs). A tuple or set becomes a sorted list, a field whose
+    type is a dataclass its own mapping, and a field without a default ``"???"`` (OmegaConf's
+    missing value: the config must set it)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that does not resolve: no nested dataclass then
+        hints = {}
+    node: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            node[f.name] = defaults(hint)
+        elif f.default is dataclasses.MISSING:
+            node[f.name] = "???"
+        elif isinstance(f.default, (tuple, frozenset, set)):
+            node[f.name] = sorted(f.default) if isinstance(f.default, (set, frozenset)) else list(f.default)
+        else:
+            node[f.name] = f.default
+    return node
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "Check", "above", "between", "boolean", "choice", "device", "fail", "finite_positive", "greater_than",
     "half_open_interval", "int_at_least", "integer", "one_of", "open_interval", "optional", "patterns",
+    "whole", "number", "at_least", "flag", "named",
 ]
 
 
@@ -139,3 +140,73 @@ def device(field: str, value: Any) -> str | None:
     except (RuntimeError, TypeError):
         fail(field, "a torch device such as 'cpu', 'cuda' or 'cuda:0', or None", value)
     raise AssertionError  # unreachable
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks in a config file's words, for options set in YAML or on the command line (the app's run
+# options in experiments/app/config.py, the workloads' model and data options): YAML's
+# true/false, bare choice names, "a number in [lo, hi]", integers below 2^31.
+# ---------------------------------------------------------------------------------------------
+INT_LIMIT = 2**31
+"""Upper bound (exclusive) of an integer option: larger values are typos or attacks."""
+
+
+def whole(at_least: int, at_most: int | None = None) -> Check:
+    """An ``int`` (a bool or a float is refused) in ``[at_least, at_most]``, or ``>= at_least`` and
+    below 2^31: ``train.steps must be an integer >= 1, got 0``."""
+    allowed = f"an integer >= {at_least}" if at_most is None else f"an integer in [{at_least}, {at_most}]"
+
+    def check(field: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < at_least or (
+                at_most is not None and value > at_most):
+            fail(field, allowed, value)
+        if value >= INT_LIMIT:
+            fail(field, "an integer below 2^31", value)
+        return value
+
+    return check
+
+
+def number(lo: float, hi: float, closed: str = "[]") -> Check:
+    """A real number (not a bool, not NaN) in ``[lo, hi]``, or ``(lo, hi]`` with ``closed="(]"``,
+    returned as a float: ``regime.loss_multiplier must be a number in [1e-12, 1e+06], got 0``."""
+    allowed = f"a number in {closed[0]}{lo:g}, {hi:g}]"
+
+    def check(field: str, value: Any) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (ok and (value > lo if closed[0] == "(" else value >= lo) and value <= hi):
+            fail(field, allowed, value)
+        return float(value)
+
+    return check
+
+
+def at_least(bound: float) -> Check:
+    """A finite real number ``>= bound`` (its value unchanged): ``model.ffn_gain must be >= 1e-12, got 0.0``."""
+
+    def check(field: str, value: Any) -> Any:
+        v = _real(field, value)
+        if not (math.isfinite(v) and v >= bound):
+            fail(field, f">= {bound:g}", value)
+        return value
+
+    return check
+
+
+def flag(field: str, value: Any) -> bool:
+    """``true`` or ``false`` (YAML's words for a bool): ``train.resume must be true or false, got 'maybe'``."""
+    if not isinstance(value, bool):
+        fail(field, "true or false", value)
+    return value
+
+
+def named(*choices: str) -> Check:
+    """One of ``choices``, named bare as in YAML: ``train.lr_decay must be one of cosine, constant, got 'linear'``."""
+    allowed = "one of " + ", ".join(choices)
+
+    def check(field: str, value: Any) -> str:
+        if value not in choices:
+            fail(field, allowed, value)
+        return value
+
+    return check

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import strategies
@@ -86,14 +89,18 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted((CONF / "strategy").glob("*.yaml"))
 
 
+@functools.lru_cache(maxsize=None)
 def preset_keywords(path: Path) -> tuple[str, dict]:
-    """A ``conf/strategy`` YAML's rule name and keywords, resolved as in the app (a strategy may
-    read the precision group)."""
-    root = OmegaConf.create({"precision": OmegaConf.load(CONF / "precision" / "fp16.yaml"),
-                             "strategy": OmegaConf.load(path)})
-    cfg = OmegaConf.to_container(root, resolve=True)["strategy"]
+    """A ``conf/strategy`` YAML's rule name and the keywords it changes: its node composed and
+    resolved as in the app (its rule's schema, every ``Params`` field at its default, with the
+    YAML's values on top; the precision group a strategy may read: fp16), less the fields left at
+    their defaults (so ``device`` may still be given, as ``make_strategy`` does)."""
+    with initialize_config_dir(config_dir=str(path.parent.parent), version_base="1.3"):
+        root = compose("config", overrides=[f"strategy={path.stem}", "precision=fp16"])
+    cfg = OmegaConf.to_container(root.strategy, resolve=True)
     assert cfg["_target_"] == "strategies.create"
-    return cfg["name"], {k: v for k, v in cfg.items() if k not in ("_target_", "name")}
+    defaults = {f.name: f.default for f in dataclasses.fields(strategies.get(cfg["name"]).Params)}
+    return cfg["name"], {k: v for k, v in cfg.items() if k not in ("_target_", "name") and v != defaults.get(k)}
 
 
 def strategy_cases() -> list[Any]:

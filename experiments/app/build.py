@@ -1,7 +1,8 @@
-"""From config to objects: validation, restricted ``instantiate``, and the builders the loop uses.
+"""From config to objects: restricted ``instantiate`` and the builders the loop uses.
 
-Every error a user can cause with an override ends here as a one-line :class:`ConfigError`
-naming the option, the bad value and what is allowed. ``ConfigError`` derives from Hydra's
+Every error a user can cause with an override ends as a one-line :class:`ConfigError` naming the
+option, the bad value and what is allowed: the run options' from their dataclasses
+(:mod:`experiments.app.config`), the groups' from the constructors :func:`safe_instantiate` calls. ``ConfigError`` derives from Hydra's
 ``CompactHydraException``, so Hydra prints its message alone (no traceback) and exits non-zero.
 
 ``instantiate`` builds only an explicit allow-list of objects (:func:`allowed_target`): the
@@ -24,7 +25,7 @@ from typing import Any
 import hydra.utils
 import torch
 from hydra.errors import CompactHydraException, InstantiationException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import strategies
 from experiments.workloads import data as _data
@@ -34,7 +35,7 @@ from experiments.workloads.heldout import HeldoutChars
 from experiments.workloads.pretrained import PretrainedGPT
 from experiments.workloads.rl_task import PolicyTask
 from experiments.workloads.precision import Precision
-from experiments.app.recipe import DECAYS, decay_groups
+from experiments.app.recipe import decay_groups
 
 __all__ = [
     "ConfigError",
@@ -45,7 +46,6 @@ __all__ = [
     "refusal",
     "check_targets",
     "safe_instantiate",
-    "validate",
     "build_data",
     "build_model",
     "build_optimizer",
@@ -54,6 +54,7 @@ __all__ = [
     "build_precision",
     "strategy_label",
     "run_labels",
+    "instantiate_loggers",
     "one_line",
 ]
 
@@ -165,102 +166,6 @@ def safe_instantiate(node: DictConfig | dict, path: str, drop: Iterable[str] = (
         raise ConfigError(f"{path}: {one_line(exc)}") from None
 
 
-INT_LIMIT = 2**31
-"""Upper bound (exclusive) of every integer run option: larger values are typos or attacks."""
-
-
-def _int(cfg: DictConfig, key: str, low: int, note: str = "") -> int:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{key} must be an integer >= {low}{note}, got {value!r}")
-    if value >= INT_LIMIT:
-        raise ConfigError(f"{key} must be an integer below 2^31, got {value!r}")
-    return value
-
-
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _optimizer_values(node: dict, path: str = "optimizer") -> None:
-    """Every number of the optimizer config (lists included) is in [0, float32 max] (lr, betas, eps, ...):
-    not NaN, not negative, and not so large that the optimizer's float32 arithmetic overflows."""
-    for key, value in node.items():
-        where = f"{path}.{key}"
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            if isinstance(item, (dict, list)):
-                raise ConfigError(f"{where} must be a number or a list of numbers, got {value!r}")
-            if isinstance(item, (int, float)) and not isinstance(item, bool) and not 0 <= item <= FLOAT32_MAX:
-                raise ConfigError(f"{where} must be a finite number in [0, 3.4e+38] (float32), got {value!r}")
-
-
-def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = False) -> float:
-    value = OmegaConf.select(cfg, key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok:
-        ok = (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise ConfigError(f"{key} must be a number in {bracket}{low:g}, {high:g}], got {value!r}")
-    return float(value)
-
-
-def validate(cfg: DictConfig) -> None:
-    """Check the whole config before anything runs; raise a one-line ``ConfigError``.
-
-    The config resolves (interpolations such as ``${oc.env:X}`` included); every ``_target_``
-    is allowed (:func:`check_targets`); the run-level options (``train.*``, ``regime.*``,
-    ``seed``) are in range; every optimizer number is finite and >= 0. The groups' own values
-    are checked by their constructors (``safe_instantiate`` turns those errors into one line).
-    """
-    try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # noqa: BLE001 - any resolution failure is a bad value on the command line
-        raise ConfigError(f"the configuration does not resolve: {one_line(exc)[:300]}") from None
-    assert isinstance(resolved, dict)
-    for group in ("model", "data", "precision", "strategy", "regime", "logger", "train", "optimizer"):
-        if not isinstance(cfg.get(group), DictConfig):
-            raise ConfigError(f"config group {group!r} is missing or not a mapping")
-    check_targets(resolved, "")
-    _optimizer_values(resolved["optimizer"])
-    _int(cfg, "seed", 0)
-    tags = cfg.get("tags")
-    if not isinstance(tags, ListConfig) or not all(isinstance(t, str) for t in tags):
-        raise ConfigError(f"tags must be a list of strings, got {tags!r}")
-    threads = cfg.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
-        raise ConfigError(f"threads must be null or an integer in [1, 1024], got {threads!r}")
-    steps = _int(cfg, "train.steps", 1)
-    _int(cfg, "train.batch_size", 1)
-    _int(cfg, "train.log_every", 1)
-    _int(cfg, "train.hist_every", 0, " (0 = off)")
-    _int(cfg, "train.eval_every", 0, " (0 = only at the end)")
-    _int(cfg, "train.eval_batches", 1)
-    _int(cfg, "train.checkpoint_every", 0, " (0 = never)")
-    _int(cfg, "train.warmup", 0)
-    _float(cfg, "train.grad_clip", 0.0, float("inf"))
-    _int(cfg, "train.lr_warmup", 0)
-    _float(cfg, "train.min_lr_ratio", 0.0, 1.0)
-    if OmegaConf.select(cfg, "train.lr_decay") not in DECAYS:
-        raise ConfigError(f"train.lr_decay must be one of {', '.join(DECAYS)}, got {OmegaConf.select(cfg, 'train.lr_decay')!r}")
-    _float(cfg, "train.divergence_loss", 0.0, float("inf"), low_open=True)
-    _float(cfg, "regime.loss_multiplier", 1e-12, 1e6)
-    _float(cfg, "regime.spike_factor", 0.0, 1e12, low_open=True)
-    spikes = OmegaConf.select(cfg, "regime.spike_steps")
-    if not isinstance(spikes, ListConfig) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= steps for s in spikes
-    ):
-        raise ConfigError(f"regime.spike_steps must be a list of steps in [1, train.steps={steps}], got {spikes}")
-    kill = OmegaConf.select(cfg, "train.kill_at_step")
-    if kill is not None and (not isinstance(kill, int) or kill < 1):
-        raise ConfigError(f"train.kill_at_step must be null or an integer >= 1, got {kill!r}")
-    _int(cfg, "train.max_consecutive_skips", 0, " (0 = off)")
-    _int(cfg, "train.fidelity_every", 0, " (0 = off)")
-    for key in ("train.resume", "train.deterministic", "train.progress", "train.zero_grad"):
-        if not isinstance(OmegaConf.select(cfg, key), bool):
-            raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
-
-
 def build_precision(cfg: DictConfig) -> Precision:
     try:
         return Precision.from_config(OmegaConf.to_container(cfg.precision, resolve=True))  # type: ignore[arg-type]
@@ -304,7 +209,7 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter]) -> to
     opt = safe_instantiate(cfg.optimizer, "optimizer", params=groups, _convert_="all")  # groups as dicts
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError(f"optimizer._target_ must build a torch.optim.Optimizer, got {type(opt).__name__}")
-    if OmegaConf.select(cfg, "train.zero_grad", default=True) is False:
+    if OmegaConf.select(cfg, "train.zero_grad") is False:
         keep_gradients(opt)
     return opt
 
@@ -342,7 +247,7 @@ def strategy_label(cfg: DictConfig, choices: Mapping[str, Any] | None = None) ->
     """The run's strategy for records: ``none`` when scaling is off, else the ``strategy`` config
     option chosen (``choices``: Hydra's ``runtime.choices``; a preset such as ``megatron`` is
     ``native`` with other defaults, and must not be recorded as ``native``), else the registered name."""
-    if OmegaConf.select(cfg, "strategy.enabled", default=True) is False:
+    if OmegaConf.select(cfg, "strategy.enabled") is False:
         return "none"
     chosen = (choices or {}).get("strategy")
     return str(chosen) if isinstance(chosen, str) and chosen else str(OmegaConf.select(cfg, "strategy.name", default="unknown"))
@@ -355,7 +260,7 @@ def run_labels(cfg: DictConfig, choices: Mapping[str, Any] | None = None) -> dic
         "precision": str(cfg.precision.name),
         "model": str(cfg.model.get("name", "model")),
         "data": str(cfg.data.get("name", "data")),
-        "regime": str(cfg.regime.get("name", "plain")),
+        "regime": str(cfg.regime.name),
     }
     names["workload"] = f"{names['model']}/{names['data']}/{names['regime']}"
     return names

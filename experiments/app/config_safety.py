@@ -265,7 +265,7 @@ def check_config(cfg: DictConfig, output_dir: str | None = None, job_num: int = 
     ``job_num`` writing to ``output_dir`` (``None``: the sweep job's directory): its ``hydra``
     node, then every ``_target_`` of the app's part against :func:`experiments.app.build.allowed_target`
     (resolved as in the job when it resolves; a value that does not resolve is refused by the
-    job's own :func:`experiments.app.build.validate` before anything is built). Raises a one-line
+    job's own :meth:`experiments.app.config.RunConfig.from_hydra` before anything is built). Raises a one-line
     :class:`ConfigError`."""
     job = _as_in_job(cfg, output_dir, job_num)
     app: dict[str, Any] = {}

@@ -51,13 +51,14 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.app.build import AppError, one_line, validate
+from experiments.app.build import AppError, one_line
+from experiments.app.config import RunConfig
 from experiments.app.config_safety import check_command_line, check_config
 from experiments.app.loop import run
 from experiments.app.rundir import RunDir
 from hydra_plugins.scalelab_sweeper import covering
 
-__all__ = ["main", "check_overrides", "check_safety", "preflight", "CONF_DIR", "GROUPS"]
+__all__ = ["main", "check_overrides", "check_safety", "preflight", "group_options", "CONF_DIR", "GROUPS"]
 
 
 def _conf_dir() -> Path:
@@ -213,7 +214,7 @@ def preflight(args: list[str]) -> str | None:
     if "${hydra:" in OmegaConf.to_yaml(cfg):
         return None  # resolves only inside Hydra's job (e.g. ${hydra:runtime.output_dir}): run() checks it
     try:
-        validate(cfg)
+        RunConfig.from_hydra(cfg)
         RunDir.check_path(run_dir.resolve())
         # Before Hydra rewrites .hydra/ of a run in progress or of another run (run() checks again).
         rundir = RunDir(run_dir.resolve())

@@ -1,2 +1,3 @@
-"""The workloads: models, data, precision modes and the simulated low-precision casts.
-"""
+"""The workloads: models, data, precision modes and the simulated low-precision casts."""
+
+__all__: list[str] = []

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments.workloads.options import check_option
+from strategies import validation as v
 
 __all__ = ["CharData", "TeacherVectors", "TemplateImages", "step_generator", "stdlib_files"]
 
@@ -44,8 +44,9 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 2**32 + step) % 2**63)
 
 
-def _check(name: str, value: object, low: float, high: float | None = None) -> None:
-    check_option("data", name, value, low, high)
+def _check(name: str, value: object, check: v.Check) -> None:
+    """``check`` (:mod:`strategies.validation`) of the option ``data.<name>``: a one-line ``ValueError`` naming it."""
+    check(f"data.{name}", value)
 
 
 def stdlib_files(root: str | None = None) -> list[Path]:
@@ -70,10 +71,10 @@ class CharData:
         eval_batch_size: int = 64,
         root: str | None = None,
     ) -> None:
-        _check("block_size", block_size, 1)
-        _check("max_bytes", max_bytes, 1000)
-        _check("val_fraction", val_fraction, 0.01, 0.5)
-        _check("eval_batch_size", eval_batch_size, 1)
+        _check("block_size", block_size, v.whole(1))
+        _check("max_bytes", max_bytes, v.whole(1000))
+        _check("val_fraction", val_fraction, v.between(0.01, 0.5, "[]"))
+        _check("eval_batch_size", eval_batch_size, v.whole(1))
         chunks: list[bytes] = []
         total = 0
         for path in stdlib_files(root):
@@ -111,6 +112,16 @@ class CharData:
         for _ in range(max_batches):
             ix = torch.randint(len(self.val) - self.block_size - 1, (self.eval_batch_size,), generator=gen)
             yield self._windows(self.val, ix)
+
+
+def _check_split(num_classes: int, n_train: int, n_val: int, eval_batch_size: int, nan_prob: float) -> None:
+    """The options every classification set takes: ``data.num_classes >= 2``; ``data.n_train``,
+    ``data.n_val`` and ``data.eval_batch_size >= 1``; ``data.nan_prob`` in [0, 1]."""
+    _check("num_classes", num_classes, v.whole(2))
+    _check("n_train", n_train, v.whole(1))
+    _check("n_val", n_val, v.whole(1))
+    _check("eval_batch_size", eval_batch_size, v.whole(1))
+    _check("nan_prob", nan_prob, v.between(0.0, 1.0, "[]"))
 
 
 class _Classification:
@@ -157,13 +168,9 @@ class TeacherVectors(_Classification):
         eval_batch_size: int = 512,
         nan_prob: float = 0.0,
     ) -> None:
-        _check("in_features", in_features, 1)
-        _check("num_classes", num_classes, 2)
-        _check("n_train", n_train, 1)
-        _check("n_val", n_val, 1)
-        _check("teacher_width", teacher_width, 1)
-        _check("eval_batch_size", eval_batch_size, 1)
-        _check("nan_prob", nan_prob, 0.0, 1.0)
+        _check("in_features", in_features, v.whole(1))
+        _check("teacher_width", teacher_width, v.whole(1))
+        _check_split(num_classes, n_train, n_val, eval_batch_size, nan_prob)
         self.nan_prob = float(nan_prob)
         gen = torch.Generator().manual_seed(data_seed)
         w1 = torch.randn(in_features, teacher_width, generator=gen) / in_features**0.5
@@ -195,15 +202,12 @@ class TemplateImages(_Classification):
         eval_batch_size: int = 256,
         nan_prob: float = 0.0,
     ) -> None:
-        _check("in_channels", in_channels, 1)
-        _check("image_size", image_size, 4)
-        _check("num_classes", num_classes, 2)
-        _check("n_train", n_train, 1)
-        _check("n_val", n_val, 1)
-        _check("noise", noise, 0.0)
-        _check("max_shift", max_shift, 0, image_size // 2)
-        _check("eval_batch_size", eval_batch_size, 1)
-        _check("nan_prob", nan_prob, 0.0, 1.0)
+        _check("in_channels", in_channels, v.whole(1))
+        _check("image_size", image_size, v.whole(4))
+        _check("noise", noise, v.at_least(0.0))
+        _check("max_shift", max_shift, v.whole(0))
+        _check("max_shift", max_shift, v.between(0, image_size // 2, "[]"))
+        _check_split(num_classes, n_train, n_val, eval_batch_size, nan_prob)
         self.nan_prob = float(nan_prob)
         gen = torch.Generator().manual_seed(data_seed)
         n = n_train + n_val

@@ -39,13 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.workloads import unit_scaling
-from experiments.workloads.options import check_option
+from strategies import validation as v
 
 __all__ = ["GPT", "MLP", "CNN"]
 
 
-def _check(name: str, value: object, low: float, high: float | None = None) -> None:
-    check_option("model", name, value, low, high)
+def _check(name: str, value: object, check: v.Check) -> None:
+    """``check`` (:mod:`strategies.validation`) of the option ``model.<name>``: a one-line ``ValueError`` naming it."""
+    check(f"model.{name}", value)
 
 
 def _scale_init(model: nn.Module, init_scale: float) -> None:
@@ -153,22 +154,19 @@ class GPT(nn.Module):
         unit_scaled: bool = False,
     ) -> None:
         super().__init__()
-        _check("vocab_size", vocab_size, 2)
-        _check("block_size", block_size, 1)
-        _check("n_layer", n_layer, 1)
-        _check("n_head", n_head, 1)
-        _check("n_embd", n_embd, 1)
-        _check("dropout", dropout, 0.0, 1.0)
-        _check("init_scale", init_scale, 1e-12)
-        _check("ffn_gain", ffn_gain, 1e-12)
+        _check("vocab_size", vocab_size, v.whole(2))
+        _check("block_size", block_size, v.whole(1))
+        _check("n_layer", n_layer, v.whole(1))
+        _check("n_head", n_head, v.whole(1))
+        _check("n_embd", n_embd, v.whole(1))
+        _check("dropout", dropout, v.between(0.0, 1.0, "[]"))
+        _check("init_scale", init_scale, v.at_least(1e-12))
+        _check("ffn_gain", ffn_gain, v.at_least(1e-12))
         if n_embd % n_head:
             raise ValueError(f"model.n_embd must be divisible by model.n_head={n_head}, got {n_embd}")
-        if attention not in ATTENTIONS:
-            raise ValueError(f"model.attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-        if not isinstance(qk_norm, bool):
-            raise ValueError(f"model.qk_norm must be true or false, got {qk_norm!r}")
-        if not isinstance(unit_scaled, bool):
-            raise ValueError(f"model.unit_scaled must be true or false, got {unit_scaled!r}")
+        _check("attention", attention, v.named(*ATTENTIONS))
+        _check("qk_norm", qk_norm, v.flag)
+        _check("unit_scaled", unit_scaled, v.flag)
         self.block_size = block_size
         self.unit_scaled = unit_scaled
         if unit_scaled:  # experiments/workloads/unit_scaling.py: unit-variance init, scales outside the weights
@@ -227,14 +225,13 @@ class MLP(nn.Module):
         init_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        _check("in_features", in_features, 1)
-        _check("num_classes", num_classes, 2)
-        _check("width", width, 1)
-        _check("depth", depth, 1)
-        _check("init_scale", init_scale, 1e-12)
+        _check("in_features", in_features, v.whole(1))
+        _check("num_classes", num_classes, v.whole(2))
+        _check("width", width, v.whole(1))
+        _check("depth", depth, v.whole(1))
+        _check("init_scale", init_scale, v.at_least(1e-12))
         acts = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
-        if activation not in acts:
-            raise ValueError(f"model.activation must be one of {', '.join(acts)}, got {activation!r}")
+        _check("activation", activation, v.named(*acts))
         dims = [in_features] + [width] * depth
         self.layers = nn.ModuleList(
             nn.Sequential(nn.Linear(a, b), acts[activation]()) for a, b in zip(dims[:-1], dims[1:])
@@ -273,12 +270,12 @@ class CNN(nn.Module):
         pool_every: int = 1,
     ) -> None:
         super().__init__()
-        _check("in_channels", in_channels, 1)
-        _check("num_classes", num_classes, 2)
-        _check("width", width, 1)
-        _check("depth", depth, 1)
-        _check("init_scale", init_scale, 1e-12)
-        _check("pool_every", pool_every, 1)
+        _check("in_channels", in_channels, v.whole(1))
+        _check("num_classes", num_classes, v.whole(2))
+        _check("width", width, v.whole(1))
+        _check("depth", depth, v.whole(1))
+        _check("init_scale", init_scale, v.at_least(1e-12))
+        _check("pool_every", pool_every, v.whole(1))
         chans = [in_channels] + [width * 2 ** (i // pool_every) for i in range(depth)]
         self.convs = nn.ModuleList(
             nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU(),

@@ -44,6 +44,7 @@ a flag, and with neither fp8 nor measuring the hooks return immediately.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ from torch import nn
 from experiments.workloads.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
 from experiments.workloads.fp8_forward import FORWARD_ROLES, LinearCasts
 from strategies.boundaries import Boundaries, Trace, layers
+from strategies import validation as v
 from strategies.stats import exponent_histogram, fold_histogram, zeros_and_subnormals
 
 __all__ = ["Precision", "BoundaryHooks", "quantize_dequantize", "HIST_LO", "HIST_BINS"]
@@ -69,6 +71,10 @@ _DTYPES = {
 }
 NAMES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
 ROLES = (*FORWARD_ROLES, "gradient")
+FP8_CHECKS = {"cast_scaling": v.named(*CAST_SCALINGS), "rounding": v.named(*ROUNDINGS),
+              "history_len": v.whole(1), "margin": v.whole(0)}
+"""The fp8 quantiser's options (:mod:`experiments.workloads.fp8`), each with its check; their
+defaults are :class:`Precision`'s."""
 
 
 def _dtype(field: str, name: str | None) -> torch.dtype | None:
@@ -123,8 +129,7 @@ class Precision:
         mx, sn = float(cfg.get("max", 0.0)), float(cfg.get("smallest_normal", 0.0))
         if not (mx > 0 and 0 < sn < mx):
             raise ValueError(f"precision.max and precision.smallest_normal must satisfy 0 < smallest_normal < max, got {sn}, {mx}")
-        fp8 = {k: cfg.get(k, d) for k, d in (("cast_scaling", "none"), ("rounding", "nearest"),
-                                                 ("history_len", 1024), ("margin", 0))}
+        fp8 = {f.name: cfg.get(f.name, f.default) for f in dataclasses.fields(cls) if f.name in FP8_CHECKS}
         forward_format = _dtype("forward_format", cfg.get("forward_format"))
         if forward_format is not None and forward_format not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"precision.forward_format must be float8_e4m3fn, float8_e5m2 or null, "
@@ -138,12 +143,8 @@ class Precision:
         if forward_format is None and any(roles.get(r, "none") != "none" for r in FORWARD_ROLES):
             raise ValueError(f"precision.cast_scaling_roles.activation and .weight apply to modes with a "
                              f"forward_format only, not to {name}")
-        for key, allowed in (("cast_scaling", CAST_SCALINGS), ("rounding", ROUNDINGS)):
-            if fp8[key] not in allowed:
-                raise ValueError(f"precision.{key} must be one of {', '.join(allowed)}, got {fp8[key]!r}")
-        for key, low in (("history_len", 1), ("margin", 0)):
-            if isinstance(fp8[key], bool) or not isinstance(fp8[key], int) or fp8[key] < low:
-                raise ValueError(f"precision.{key} must be an integer >= {low}, got {fp8[key]!r}")
+        for key, check in FP8_CHECKS.items():
+            check(f"precision.{key}", fp8[key])
         if grad_format is None and (fp8["cast_scaling"] != "none" or fp8["rounding"] != "nearest"):
             raise ValueError(f"precision.cast_scaling and precision.rounding apply to the fp8 modes only, "
                              f"not to {name}")
@@ -166,9 +167,7 @@ def _roles(cfg: dict) -> dict[str, str]:
         raise ValueError(f"precision.cast_scaling_roles must be null or a mapping with keys among "
                          f"{', '.join(ROLES)}, got {roles!r}")
     for role, scaling in roles.items():
-        if scaling not in CAST_SCALINGS:
-            raise ValueError(f"precision.cast_scaling_roles.{role} must be one of {', '.join(CAST_SCALINGS)}, "
-                             f"got {scaling!r}")
+        FP8_CHECKS["cast_scaling"](f"precision.cast_scaling_roles.{role}", scaling)
     return dict(roles)
 
 

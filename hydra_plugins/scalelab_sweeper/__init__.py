@@ -8,7 +8,7 @@ option, a value of the wrong type), so composing a *covering* sample — jobs ch
 ``key=value`` of the batch has appeared in one of them — finds the same errors before launch in
 at most as many jobs as the keys have values together (18 of 180 there). Everything else — the grid, the
 order, the launch — is the basic sweeper's. Each job still validates its own config in full
-(``experiments.app.build.validate``) and fails alone with a one-line error.
+(``experiments.app.config.RunConfig.from_hydra``) and fails alone with a one-line error.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+__all__ = ["GridSweeper", "covering"]
 
 
 def covering(batch: Sequence[Sequence[str]]) -> list[Sequence[str]]:

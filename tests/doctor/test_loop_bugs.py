@@ -12,7 +12,8 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from experiments.app.build import ConfigError, build_optimizer, validate
+from experiments.app.build import ConfigError, build_optimizer
+from experiments.app.config import RunConfig
 from experiments.schema import DIAGNOSIS_NAME
 from tests.experiments.runs import compose_cfg, run_tiny
 
@@ -43,7 +44,7 @@ def test_zero_grad_must_be_true_or_false() -> None:
     with open_dict(cfg):
         cfg.train.zero_grad = "sometimes"
     with pytest.raises(ConfigError, match=r"^train.zero_grad must be true or false, got 'sometimes'$"):
-        validate(cfg)
+        RunConfig.from_hydra(cfg)
 
 
 RUN = ("+experiment=doctor_grads_not_cleared", "train.log_every=5", "train.eval_every=0", "train.checkpoint_every=0")

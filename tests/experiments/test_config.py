@@ -20,8 +20,8 @@ from experiments.app.build import (
     check_targets,
     instantiate_loggers,
     strategy_label,
-    validate,
 )
+from experiments.app.config import RunConfig
 from experiments.app.loggers import RunInfo
 from experiments.workloads.precision import Precision
 from experiments.app.train import CONF_DIR, GROUPS, group_options
@@ -66,7 +66,7 @@ def test_every_option_composes_and_builds(group: str, option: str, monkeypatch: 
     else:
         tiny = TINY["mlp"]
     cfg = compose_cfg(*tiny, *QUIET, f"{group}={option}")
-    validate(cfg)
+    RunConfig.from_hydra(cfg)
     precision = build_precision(cfg)
     data = build_data(cfg)
     model = build_model(cfg, data)
@@ -119,7 +119,7 @@ def test_precision_files_carry_their_formats_range() -> None:
 def test_out_of_range_values_are_one_line_errors(override: str, needle: str) -> None:
     cfg = compose_cfg("logger=wandb", override)
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        RunConfig.from_hydra(cfg)
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
@@ -183,13 +183,13 @@ def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
 
 @pytest.mark.parametrize("group", ["strategy", "model", "data", "optimizer"])
 def test_every_group_refuses_a_file_writing_target(group: str, tmp_path: Path) -> None:
-    """``strategy._target_=experiments.app.records.write_json_atomic`` and the like fail in validate(),
+    """``strategy._target_=experiments.app.records.write_json_atomic`` and the like fail in RunConfig.from_hydra(),
     before anything is built or written."""
     victim = tmp_path / "victim.json"
     cfg = compose_cfg(*TINY["mlp"], f"{group}._target_=experiments.app.records.write_json_atomic",
                       f"+{group}.path={victim}", f"+{group}.obj=pwned")
     with pytest.raises(ConfigError, match=f"^{group}._target_='experiments.app.records.write_json_atomic' is not allowed"):
-        validate(cfg)
+        RunConfig.from_hydra(cfg)
     assert not victim.exists()
 
 
@@ -205,11 +205,11 @@ def test_records_name_the_strategy_option_chosen_not_the_rule_it_presets() -> No
     assert strategy_label(cfg) == "native"
     assert strategy_label(cfg, {"strategy": "megatron"}) == "megatron"
     assert strategy_label(compose_cfg("strategy=none"), {"strategy": "none"}) == "none"
-    assert strategy_label(compose_cfg("strategy=native", "+strategy.enabled=false"), {"strategy": "native"}) == "none"
+    assert strategy_label(compose_cfg("strategy=native", "strategy.enabled=false"), {"strategy": "native"}) == "none"
 
 
 def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SCALELAB_SURELY_UNSET", raising=False)
     with pytest.raises(ConfigError, match=r"^the configuration does not resolve: ") as err:
-        validate(compose_cfg("seed=${oc.env:SCALELAB_SURELY_UNSET}"))
+        RunConfig.from_hydra(compose_cfg("seed=${oc.env:SCALELAB_SURELY_UNSET}"))
     assert "\n" not in str(err.value)

@@ -1,14 +1,15 @@
-"""``experiments.app.config.RunConfig``: the typed run options the loop reads. Validation is
-:func:`experiments.app.build.validate`'s (reused, not repeated): a bad type or value is the same
-one-line ``ConfigError``; good values come out typed and equal to the composed config's."""
+"""``experiments.app.config.RunConfig``: the typed run options the loop reads. Each option is one
+``hp`` field (type, default, check, source); a bad type or value is a one-line ``ConfigError``
+naming the qualified option; good values come out typed and equal to the composed config's, whose
+defaults are the dataclasses' own (``scalelab_schema/run``)."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.app.build import ConfigError, validate
-from experiments.app.config import RunConfig
+from experiments.app.build import ConfigError
+from experiments.app.config import RegimeConfig, RunConfig, TrainConfig
 from experiments.app.recipe import lr_at
 from tests.experiments.runs import QUIET, TINY, compose_cfg
 
@@ -40,15 +41,28 @@ def test_step_predicates_match_the_documented_cadence() -> None:
     assert [s for s in range(1, 24) if t.checkpoint_step(s)] == [10, 20]
 
 
-@pytest.mark.parametrize("override", [
-    "train.steps=0", "train.steps=1.5", "train.log_every=x", "train.grad_clip=-1", "train.resume=maybe",
-    "train.lr_decay=linear", "train.kill_at_step=0", "regime.spike_factor=0", "threads=0", "seed=-1",
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=0", "train.steps must be an integer >= 1, got 0"),
+    ("train.steps=1.5", "train.steps must be an integer >= 1, got 1.5"),
+    ("train.log_every=x", "train.log_every must be an integer >= 1, got 'x'"),
+    ("train.grad_clip=-1", "train.grad_clip must be a number in [0, inf], got -1"),
+    ("train.resume=maybe", "train.resume must be true or false, got 'maybe'"),
+    ("train.lr_decay=linear", "train.lr_decay must be one of cosine, constant, got 'linear'"),
+    ("train.kill_at_step=0", "train.kill_at_step must be an integer >= 1, got 0"),
+    ("regime.spike_factor=0", "regime.spike_factor must be a number in (0, 1e+12], got 0"),
+    ("threads=0", "threads must be an integer in [1, 1024], got 0"),
+    ("seed=-1", "seed must be an integer >= 0, got -1"),
+    ("+train.stpes=3", "train.stpes is not an option; train.* are: steps, batch_size, "),
 ])
-def test_bad_values_are_the_validators_one_line_errors(override: str) -> None:
-    cfg = _cfg(override)
-    with pytest.raises(ConfigError) as expected:
-        validate(cfg)
+def test_bad_values_are_one_line_errors_naming_the_option(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as got:
-        RunConfig.from_hydra(cfg)
-    key = override.split("=")[0]
-    assert str(got.value) == str(expected.value) and key in str(got.value) and "\n" not in str(got.value)
+        RunConfig.from_hydra(_cfg(override))
+    key = override.split("=")[0].lstrip("+")
+    assert str(got.value).startswith(message) and key in str(got.value) and "\n" not in str(got.value)
+
+
+def test_the_dataclasses_are_the_defaults_of_the_composed_config() -> None:
+    """One home per default: the config tree states no run option the dataclasses do not."""
+    run = RunConfig.from_hydra(compose_cfg())
+    assert run.train == TrainConfig() and run.regime == RegimeConfig(name="plain")
+    assert (run.seed, run.device, run.threads, run.sweep, run.tags) == (0, "cpu", None, "adhoc", ())

@@ -1,14 +1,17 @@
 """The README's "Add a strategy" recipe works exactly as written.
 
 Its Python block is registered in a fresh process, then the contract suite and the hypothesis
-properties (which run over the registry) are run on it; its YAML is validated against the rule's
-parameter dataclass and instantiated the way the Hydra app does. The same recipe with its
-``needs_stats`` line deleted must fail the contract suite.
+properties (which run over the registry) are run on it; its YAML joins a copy of the config tree,
+is composed and built the way the Hydra app does (its keys and defaults from the rule's parameter
+dataclass: a key the YAML does not state is overridable without ``+``). The same recipe with its
+``needs_stats`` line deleted must fail the contract suite. The recipe runs under the name
+:data:`NAME`, so a checkout where a user followed the README (and has an ``ema_max``) passes too.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+NAME = "readme_ema_max"
+"""The README's ``ema_max``, renamed here: a user's own ``strategies/rules/ema_max.py`` keeps its name."""
 
 
 def recipe() -> tuple[str, str]:
@@ -26,26 +31,30 @@ def recipe() -> tuple[str, str]:
     python = re.search(r"```python\n(.*?)```", section, re.S)
     yaml = re.search(r"```yaml\n(.*?)```", section, re.S)
     assert python and yaml, "the README's 'Add a strategy' section needs a python and a yaml block"
-    return python.group(1), yaml.group(1)
+    return python.group(1).replace("ema_max", NAME), yaml.group(1).replace("ema_max", NAME)
 
 
 def run_suite(tmp_path: Path, code: str, yaml: str) -> subprocess.CompletedProcess:
     (tmp_path / "rule.py").write_text(code)
-    (tmp_path / "rule.yaml").write_text(yaml)
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / "strategy" / f"{NAME}.yaml").write_text(yaml)
     driver = textwrap.dedent(f"""
         import runpy, sys
         import pytest
+        from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
-        import hydra.utils
         import strategies
+        from experiments.app.build import build_strategy
 
         module = runpy.run_path({str(tmp_path / "rule.py")!r})
-        cfg = OmegaConf.load({str(tmp_path / "rule.yaml")!r})
-        name = cfg.name
-        params = {{k: v for k, v in cfg.items() if k not in ("_target_", "name")}}
+        name = {NAME!r}
+        with initialize_config_dir(config_dir={str(conf)!r}, version_base="1.3"):  # as the app composes
+            cfg = compose("config", overrides=["strategy=" + name, "strategy.growth_interval=7"])  # no +
+        params = {{k: v for k, v in cfg.strategy.items() if k not in ("_target_", "name")}}
         OmegaConf.merge(OmegaConf.structured(strategies.get(name).Params), params)  # the YAML fits the schema
-        s = hydra.utils.instantiate(cfg)
-        assert s.name == name and strategies.available().count(name) == 1
+        s = build_strategy(cfg)
+        assert s.name == name and strategies.available().count(name) == 1 and s.params.growth_interval == 7
         sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning", "-k", name,
                               "tests/strategies/test_contract.py", "tests/strategies/test_properties.py"]))
     """)
@@ -80,7 +89,7 @@ def test_recipe_validates_its_parameters(tmp_path: Path, bad: str, message: str)
     check = f"""
 import strategies
 try:
-    strategies.create("ema_max", {key}={value})
+    strategies.create({NAME!r}, {key}={value})
 except ValueError as e:
     print(e)
 """
