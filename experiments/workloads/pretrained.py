@@ -45,8 +45,9 @@ from strategies import validation as v
 
 __all__ = ["FORMAT", "PretrainSpec", "PretrainedGPT", "cache_file", "pretrain", "pretrained_state"]
 
-FORMAT = 1
-"""Version of the pretraining recipe: part of every digest, so a change of :func:`pretrain` makes new files."""
+FORMAT = 2
+"""Version of the pretraining recipe: part of every digest, so a change of :func:`pretrain` makes new
+files (2: batches drawn by the fixed :func:`experiments.workloads.data.step_generator`)."""
 
 
 @dataclass(frozen=True)
