@@ -99,3 +99,14 @@ def test_a_short_run_through_scalelab_train(tmp_path: Path, workload: str) -> No
     assert summary["status"] == "completed" and summary["steps"] == 6
     assert summary["fidelity_lost_frac_mean"] is not None
     assert (summary.get("final_reward") is not None) == (workload == "rl")
+
+
+@pytest.mark.parametrize("model", ["pretrainedgpt", "rl"])
+def test_seeds_draw_their_own_data(tmp_path: Path, model: str) -> None:
+    """Every seed starts from the same pretrained weights, so only the data order (and the rollouts)
+    tell seeds apart: they must differ (experiments.workloads.data.step_generator)."""
+    losses = []
+    for seed in (0, 1):
+        _, rows = run_tiny(tmp_path / str(seed), "train.steps=4", "train.log_every=1", f"seed={seed}", model=model)
+        losses.append([r["loss"] for r in rows if r["kind"] == "train"])
+    assert losses[0] != losses[1]
