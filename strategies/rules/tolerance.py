@@ -127,6 +127,11 @@ class ToleranceParams(FloorParams, ScalerParams):
                                     "the growth window grows and shrinks with the scale (module docstring)")
 
 
+def window_follows(params: ToleranceParams) -> bool:
+    """Whether the rule keeps metaseq's growth window (the ``scale_window`` state)."""
+    return bool(params.window_follows_scale)
+
+
 @register_strategy("tolerance")
 class ToleranceStrategy(Strategy):
     """fairseq's ``DynamicLossScaler``: back off only when the overflow fraction since the last
@@ -137,7 +142,7 @@ class ToleranceStrategy(Strategy):
         State("since_rescale", torch.int64, 1, low=1),
         State("overflows_since_rescale", torch.int64, 0, low=0),
         FLOOR_FAULT,
-        State("scale_window", torch.int64, "growth_interval", low=1, when=lambda p: p.window_follows_scale),
+        State("scale_window", torch.int64, "growth_interval", low=1, when=window_follows),
     )
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
