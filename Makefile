@@ -42,7 +42,7 @@ compare: setup ## Run the default comparison (natural workloads: finetune, rl, d
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT) --page $(PAGE)
 
-compare-full: setup ## The larger comparison (every preset, 8 seeds, 1000 steps): runs/compare_full
+compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps): runs/compare_full
 	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full PAGE=reports/compare_full/findings.md
 
 stress: setup ## The synthetic stress comparison (loss x1e-8, x1e4 spikes; the default until issue 30): runs/stress

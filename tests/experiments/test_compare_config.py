@@ -109,7 +109,7 @@ def test_compare_full_is_every_preset_with_8_seeds_at_the_courts_horizon() -> No
         base = set(_grid(expand("compare", *cli), "workload"))
         assert base < grid and {k for *_, k in grid} == set(range(8))
         assert {s for _, _, s, _ in grid} >= (PRESETS if cli != CONTROLS else {"none"})
-    assert _compose(CONF_DIR, ["+experiment=compare_full"]).train.steps == 1000
+    assert _compose(CONF_DIR, ["+experiment=compare_full"]).train.steps == 800
 
 
 def _job_cfg(experiment: str, job: dict[str, str]) -> DictConfig:
