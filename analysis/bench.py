@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+__all__ = ["COLUMNS", "load_bench"]
+
 COLUMNS = ("name", "size", "tensors", "median_ms", "ratio_vs_gradscaler")
 
 

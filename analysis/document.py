@@ -1,9 +1,14 @@
-"""A tiny document model rendered both as Markdown and as one self-contained HTML page.
+"""A tiny document model rendered both as Markdown and as one self-contained HTML page, and the
+one way a generated page is written (:func:`write_document`).
 
 The report is built once as a list of blocks (headings, paragraphs, tables, figures) and
 rendered twice, so ``report.md`` and ``report.html`` always say the same thing. Inline text may
 use ``**bold**`` and `` `code` `` (the only Markdown the HTML renderer translates). Figures are
 referenced by relative file name in Markdown and embedded as base64 PNG data URIs in HTML.
+
+Every page :mod:`analysis` generates — the report (``report.md``, ``report.html``),
+``docs/findings.md`` (:mod:`analysis.findings`) and ``docs/reproductions.md``
+(:mod:`analysis.reproduce.page`) — is a :class:`Document` written by :func:`write_document`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence, Union
+
+from analysis.text import write_atomic
+
+__all__ = ["Block", "Bullets", "Document", "Heading", "Image", "Para", "Table", "write_document"]
 
 
 @dataclass
@@ -125,6 +134,16 @@ class Document:
         return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"/>"
                 f"<title>{html.escape(self.title)}</title><style>{_CSS}</style></head>"
                 "<body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_document(doc: Document, path: str | Path) -> Path:
+    """Render ``doc`` for ``path`` and write it there atomically
+    (:func:`analysis.text.write_atomic`): a ``.html`` path gets the self-contained HTML page, any
+    other the Markdown, its figure links relative to the page's folder. Returns ``path``."""
+    path = Path(path)
+    text = doc.to_html() if path.suffix == ".html" else doc.to_markdown(path.parent)
+    write_atomic(path, text)
+    return path
 
 
 _CSS = (

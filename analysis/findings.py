@@ -5,20 +5,20 @@ full report, a short page a reader of the repository sees first: which sweep and
 from, the run counts by status, the "which strategy when" table, and the overall verdict — the same objects the report is built from
 (:func:`analysis.report.build_report`), so no number on it is ever typed by hand. It carries no
 timestamp: a page rebuilt from the same runs is byte-identical, and a diff of it shows only what the
-runs changed. The report writes it atomically (:func:`analysis.text.write_atomic`).
+runs changed. The report writes it as it writes itself (:func:`analysis.document.write_document`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 
 from analysis.document import Document
-from analysis.runset import STATUSES
+from analysis.records import STATUSES
 from analysis.text import code
 from analysis.when import order_text, table_rows
+from analysis.words import CLEARLY_BETTER
 
 __all__ = ["findings_page"]
 
@@ -30,8 +30,9 @@ def _counts(runs: pd.DataFrame) -> str:
 
 
 def findings_page(runs: pd.DataFrame, when: pd.DataFrame, overall: str, command: str, report: str,
-                  cross: Sequence[tuple[list[str], list[list[str]], str]] = (), cross_text: str = "") -> str:
-    """The page's Markdown. ``runs``: the run table (status, sweep, git_sha); ``when``: the
+                  cross: Sequence[tuple[list[str], list[list[str]], str]] = (), cross_text: str = ""
+                  ) -> Document:
+    """The page. ``runs``: the run table (status, sweep, git_sha); ``when``: the
     which-strategy-when table; ``overall``: the report's overall verdict (the per-cell verdicts stay
     in the report); ``cross`` and ``cross_text``: the cross-workload table(s) (columns, rows,
     caption) and its verdict (:mod:`analysis.profiles`);
@@ -50,9 +51,9 @@ def findings_page(runs: pd.DataFrame, when: pd.DataFrame, overall: str, command:
     else:
         cols, rows = table_rows(when)
         doc.table(cols, rows, caption=(
-            f"The metrics are read in this order: {order_text()}. Best = the strategy read clearly "
-            "better than `native` (paired by seed) on the earliest of them for which any strategy "
-            "is; Δ = strategy − baseline per seed, mean [95% CI]."))
+            f"The metrics are read in this order: {order_text()}. Best = the strategy read "
+            f"{CLEARLY_BETTER} than `native` (paired by seed) on the earliest of them for which any "
+            "strategy is; Δ = strategy − baseline per seed, mean [95% CI]."))
     for cols, rows, caption in cross:
         doc.h(1, "Across workloads")
         doc.table(cols, rows, caption=caption)
@@ -60,4 +61,4 @@ def findings_page(runs: pd.DataFrame, when: pd.DataFrame, overall: str, command:
         doc.p(cross_text)
     doc.h(1, "Verdict")
     doc.p(overall)
-    return doc.to_markdown(Path("."))
+    return doc

@@ -35,8 +35,8 @@ import yaml  # PyYAML ships with hydra-core/omegaconf
 
 from experiments.schema import DIAGNOSIS_NAME, METRICS_NAME, SUMMARY_NAME
 
-from analysis.runset import (IDENTITY_KEYS, Builder, RunLoadError, RunSet, line_problem,
-                             parse_json)
+from analysis.records import line_problem, parse_json
+from analysis.runset import IDENTITY_KEYS, Builder, RunLoadError, RunSet
 from analysis.wandb_runs import load_wandb, wandb_rows_to_lines
 
 __all__ = ["MAX_DIAGNOSIS_BYTES", "MAX_LINE_BYTES", "MAX_METRICS_BYTES", "MAX_OVERRIDES_BYTES", "MAX_SUMMARY_BYTES",
@@ -132,7 +132,7 @@ def iter_metrics(path: str | os.PathLike[str], problems: list[str] | None = None
     """Yield the usable JSON objects of a ``metrics.jsonl`` file, streaming, skipping bad lines.
 
     A line is bad when it is longer than ``max_line`` bytes, not valid JSON, or
-    :func:`analysis.runset.line_problem` rejects it; a truncated last line (a run killed
+    :func:`analysis.records.line_problem` rejects it; a truncated last line (a run killed
     mid-write) is the common case. Each one is described in ``problems`` as
     ``"<path>:<line>: <reason>"`` (the first few per file, then a count). Reading stops after
     ``max_bytes`` (said in one line; the lines before are kept). Bytes that are not UTF-8 are

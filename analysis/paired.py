@@ -9,13 +9,15 @@ reference run — strategy ``none`` at ``fp32`` — of the same workload), over 
   seeds, BCa, fixed seed; :func:`analysis.stats.bootstrap_ci`);
 * the paired t-test and the exact Wilcoxon signed-rank test of ``d`` (two-sided);
 * ``P(better)`` = fraction of seeds where X is lower (ties ½), with a Clopper–Pearson interval
-  (``scipy.stats.binomtest``; ties counted against X for the lower end, for X for the upper).
+  (:func:`analysis.stats.clopper_pearson`; ties counted against X for the lower end, for X for
+  the upper).
 
 A diverged run (primary metric only) has no final value: a seed where one side diverged counts as
 a loss for that side in ``P(better)`` and in the Wilcoxon ranks (as a difference larger than any
 finite one), and is left out of the mean difference and the t-test; other statuses are left out.
 
-**Reading** (:func:`reading`; the words of the report and of ``comparisons.csv``):
+**Reading** (:func:`reading`; the words of the report and of ``comparisons.csv``, defined in
+:mod:`analysis.words`):
 
 * **clearly better / clearly worse** — all three hold: (1) the paired t-test's p-value, Holm-
   adjusted over the strategies compared with the same baseline on the same workload, precision
@@ -41,15 +43,13 @@ from typing import Sequence
 import numpy as np
 from scipy import stats as sps
 
-from analysis.stats import LEVEL, N_BOOT, SEED, bootstrap_ci
+from analysis.stats import LEVEL, N_BOOT, SEED, bootstrap_ci, clopper_pearson
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                            NOT_COMPARABLE, WORSE_FEW)
+
+__all__ = ["ALPHA", "PAIRED_COLUMNS", "holm", "min_wilcoxon_p", "paired_stats", "reading"]
 
 ALPHA = 0.05
-CLEARLY_BETTER, CLEARLY_WORSE = "clearly better", "clearly worse"
-BETTER_FEW = "better in these seeds, but too few seeds"
-WORSE_FEW = "worse in these seeds, but too few seeds"
-NO_DIFFERENCE = "no detectable difference"
-NOT_COMPARABLE = "not comparable"
-READINGS = (CLEARLY_BETTER, CLEARLY_WORSE, BETTER_FEW, WORSE_FEW, NO_DIFFERENCE, NOT_COMPARABLE)
 
 PAIRED_COLUMNS = ["n_pairs", "paired_diff", "paired_diff_lo", "paired_diff_hi", "paired_t_p",
                   "paired_t_p_holm", "wilcoxon_p", "p_better", "p_better_lo", "p_better_hi"]
@@ -72,8 +72,8 @@ def paired_stats(x: Sequence[float], y: Sequence[float], *, n_boot: int = N_BOOT
     finite = d[np.isfinite(d)]
     better, ties = int(np.sum(a < b)), int(np.sum(a == b))
     out["p_better"] = (better + 0.5 * ties) / a.size
-    out["p_better_lo"] = _clopper_pearson(better, a.size)[0]
-    out["p_better_hi"] = _clopper_pearson(better + ties, a.size)[1]
+    out["p_better_lo"] = clopper_pearson(better, a.size)[0]
+    out["p_better_hi"] = clopper_pearson(better + ties, a.size)[1]
     if finite.size:
         with np.errstate(all="ignore"):
             out["paired_diff"] = float(np.mean(finite))
@@ -82,11 +82,6 @@ def paired_stats(x: Sequence[float], y: Sequence[float], *, n_boot: int = N_BOOT
     out["paired_t_p"] = _t_p(finite)
     out["wilcoxon_p"] = _wilcoxon_p(d)
     return out
-
-
-def _clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
-    ci = sps.binomtest(k, n).proportion_ci(confidence_level=level, method="exact")
-    return (float(ci.low), float(ci.high))
 
 
 def _t_p(d: np.ndarray) -> float:

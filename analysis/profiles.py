@@ -50,6 +50,9 @@ from analysis.stats import LEVEL, N_BOOT, SEED, iqm, prob_improvement, prob_impr
 from analysis.tables import BASELINE
 from analysis.targets import REFERENCE_PRECISION, REFERENCE_STRATEGY, targets, train_loss
 
+__all__ = ["COLUMNS", "Suite", "TAU_MAX", "cross_workload", "ratios", "rho", "score", "suite",
+           "time_to_target"]
+
 TAU_MAX = 4.0
 
 COLUMNS = ["strategy", "n_workloads", "n_runs", "b", "b_lo", "b_hi", "b_vs_native",

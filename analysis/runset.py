@@ -1,8 +1,9 @@
 """Tidy tables of a set of runs, built from records already read (local files or W&B).
 
-Every value enters through :mod:`experiments.schema` (``coerce``): a value of the wrong type
-(a dict where a number belongs, a string for a number, a list for a string) becomes ``None`` and
-is counted as an *issue* of its run, so nothing downstream ever sees a type it did not expect.
+Every value enters through :mod:`experiments.schema` (``coerce``, by way of
+:func:`analysis.records.coerce_fields`): a value of the wrong type (a dict where a number belongs,
+a string for a number, a list for a string) becomes ``None`` and is counted as an *issue* of its
+run, so nothing downstream ever sees a type it did not expect.
 
 Tables of a :class:`RunSet` (one row per …):
 
@@ -17,23 +18,13 @@ Tables of a :class:`RunSet` (one row per …):
 * ``group_scales`` (run, step, scale group) for per-group strategies (``layerwise``);
 * ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram.
 
-Bounds: strings longer than :data:`MAX_TEXT` characters are cut (``… [N chars]``); the per-step
-tables of all runs together hold at most :data:`MAX_STEP_ROWS` rows (lines past it are not
-tabulated, and said); an integer in a record beyond float range (``|x| >= 2**1024``, or more
-digits than Python parses) is read by :func:`parse_json` as :data:`OUT_OF_RANGE` and counted as
-a bad value like a wrong type.
-
-Statuses after loading: ``completed``, ``diverged``, ``failed``, ``incomplete`` (no summary, or
-still ``running``, or ``requeued`` by SLURM: pending), or any other status word a writer used (e.g. ``stalled``), kept as written;
-only ``completed`` runs enter the statistics.
+Bounds: the per-step tables of all runs together hold at most :data:`MAX_STEP_ROWS` rows (lines
+past it are not tabulated, and said). How one record's values are read, cut and counted, and
+a run's status: :mod:`analysis.records`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -42,13 +33,16 @@ import pandas as pd
 
 from experiments.schema import (DIAGNOSIS_FIELDS, DIAGNOSIS_NAME, EVAL_FIELDS, FIDELITY_FIELDS,
                                 KIND_EVAL, KIND_FIDELITY, KIND_TRAIN, METRICS_NAME,
-                                SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, Field, coerce)
+                                SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, coerce)
 
+from analysis.records import (MAX_NAME, as_float, cell, classify, coerce_fields, cut, describe_bad,
+                              finite_mean, line_problem, workload_of)
 from analysis.targets import COLUMN as TARGET_COLUMN
 from analysis.targets import steps_to_target
 
-#: Statuses every report table shows (others a writer used are appended after them).
-STATUSES = ("completed", "diverged", "failed", "incomplete")
+__all__ = ["CHUNK_ROWS", "Builder", "DIAGNOSIS_COLUMNS", "EVAL_SCALARS", "FIDELITY_SCALARS",
+           "IDENTITY_KEYS", "ID_COLUMNS", "MAX_STEP_ROWS", "RunLoadError", "RunSet",
+           "SUMMARY_COLUMNS", "TRAIN_SCALARS"]
 
 #: Columns of the ``runs`` table taken from ``summary.json`` (in this order).
 SUMMARY_COLUMNS = tuple(k for k in SUMMARY_FIELDS if k != "fingerprint")
@@ -72,51 +66,12 @@ FIDELITY_SCALARS = tuple(k for k, f in FIDELITY_FIELDS.items()
 #: Identity columns copied onto every per-step table so each is usable on its own.
 ID_COLUMNS = ("run_id", "strategy", "precision", "workload", "seed", "status")
 
-_STATUS_WORD = re.compile(r"[a-z][a-z_]{0,23}")
-
-#: Longest string kept from a record (strategy, error, …); longer ones are cut.
-MAX_TEXT = 1000
-#: Longest layer or scale-group name kept (they label figure axes).
-MAX_NAME = 100
 #: Most rows of the per-step tables (train, evals, fidelity, layers, group_scales, exp_hist)
 #: of all runs together: the report's peak stays near 1 GB (1.09 GB measured, train rows only).
 MAX_STEP_ROWS = 1_000_000
 #: Rows of one per-step table kept as dicts before they become a DataFrame chunk (a dict row
 #: takes several times the memory of a DataFrame row).
 CHUNK_ROWS = 100_000
-
-
-class OutOfRange:
-    """A JSON integer no float can hold: what :func:`parse_json` reads in its place (it is not a
-    number to :func:`experiments.schema.coerce`, so it becomes ``None`` and is counted)."""
-
-    def __repr__(self) -> str:
-        return "<integer beyond float range>"
-
-
-OUT_OF_RANGE = OutOfRange()
-_HUGE = " (beyond float range)"  # marks such a key in the counters of coerce_fields
-
-
-def _parse_int(text: str) -> int | OutOfRange:
-    if len(text) > 320:  # more digits than any float (and than Python's 4300-digit limit)
-        return OUT_OF_RANGE
-    value = int(text)
-    return value if abs(value) <= sys.float_info.max else OUT_OF_RANGE
-
-
-def parse_json(data: bytes | str) -> Any:
-    """``json.loads`` of untrusted record text: bytes that are not UTF-8 are replaced, an
-    integer beyond float range becomes :data:`OUT_OF_RANGE`; ``NaN``/``Infinity`` are kept (a
-    diverged loss). Raises ``ValueError`` (``json.JSONDecodeError``) or ``RecursionError``."""
-    if isinstance(data, bytes):
-        data = data.decode("utf-8", errors="replace")
-    return json.loads(data, parse_int=_parse_int)
-
-
-def cut(text: str, limit: int = MAX_TEXT) -> str:
-    """``text`` cut to ``limit`` characters, saying how long it was."""
-    return text if len(text) <= limit else f"{text[:limit]}… [{len(text)} chars]"
 
 
 class RunLoadError(ValueError):
@@ -139,73 +94,6 @@ class RunSet:
 
     def __len__(self) -> int:
         return len(self.runs)
-
-
-def coerce_fields(fields: Mapping[str, Field], raw: Mapping[str, Any], bad: Counter
-                  ) -> dict[str, Any]:
-    """``raw``'s known keys coerced through the schema; every value that was present but had
-    the wrong type (or a map entry that was not a number) is counted in ``bad`` by key."""
-    out: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in raw:
-            continue
-        value = raw[name]
-        out[name] = coerce(f, value)
-        if isinstance(value, OutOfRange):
-            bad[name + _HUGE] += 1
-        elif value is not None and out[name] is None:
-            bad[name] += 1
-        elif isinstance(out[name], str):
-            out[name] = cut(out[name])
-        elif f.type == "float_map" and isinstance(value, Mapping) and len(out[name]) < len(value):
-            bad[name] += 1
-    return out
-
-
-def describe_bad(where: str, bad: Counter) -> str:
-    """``"summary.json: wrong type for seed, strategy (ignored)"`` — one line for a record
-    (``integer beyond float range for …`` for the keys :func:`coerce_fields` marked so)."""
-    def keys(items: list[tuple[str, int]]) -> str:
-        return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(items))
-
-    huge = [(k.removesuffix(_HUGE), n) for k, n in bad.items() if k.endswith(_HUGE)]
-    wrong = [(k, n) for k, n in bad.items() if not k.endswith(_HUGE)]
-    parts = ([f"wrong type for {keys(wrong)}"] if wrong else []) + \
-        ([f"integer beyond float range for {keys(huge)}"] if huge else [])
-    return f"{where}: {'; '.join(parts)} (ignored)"
-
-
-def line_problem(obj: Any) -> str | None:
-    """Why a parsed ``metrics.jsonl`` line cannot be used (``None`` when it can): it must be an
-    object with a known ``kind`` and an integral ``step``."""
-    if not isinstance(obj, Mapping):
-        return f"not a JSON object ({type(obj).__name__})"
-    if obj.get("kind") not in (KIND_TRAIN, KIND_EVAL, KIND_FIDELITY):
-        return "no known kind (train, eval, fidelity)"
-    if coerce(TRAIN_FIELDS["step"], obj.get("step")) is None:
-        return "step is not an integer"
-    return None
-
-
-def classify(summary: Mapping[str, Any] | None) -> str:
-    """The run's status after loading (see the module docstring)."""
-    if summary is None:
-        return "incomplete"
-    status = summary.get("status")
-    if status == "diverged" or summary.get("diverged") is True:
-        return "diverged"
-    if status in (None, "running", "requeued"):  # requeued: the job runs again (pending, not failed)
-        return "incomplete"
-    return status if _STATUS_WORD.fullmatch(status) else "unknown"
-
-
-def workload_of(rec: Mapping[str, Any]) -> str | None:
-    if rec.get("workload"):
-        return str(rec["workload"])
-    parts = [rec.get("model"), rec.get("data"), rec.get("regime") or "plain"]
-    if parts[0] is None or parts[1] is None:
-        return None
-    return "/".join(str(p) for p in parts)
 
 
 class Builder:
@@ -282,8 +170,8 @@ class Builder:
             issues.insert(0, new[0] + (f" (+{len(new) - 1} more)" if len(new) > 1 else ""))
         self.problems.extend(found)
         rec["n_train_lines"], rec["n_eval_lines"] = counts[KIND_TRAIN], counts[KIND_EVAL]
-        rec["act_zero_frac_mean"] = _finite_mean(zero_fracs)
-        rec["act_subnormal_frac_mean"] = _finite_mean(sub_fracs)
+        rec["act_zero_frac_mean"] = finite_mean(zero_fracs)
+        rec["act_subnormal_frac_mean"] = finite_mean(sub_fracs)
         if rec["final_eval_loss"] is None and rec["status"] == "incomplete":
             rec["last_eval_loss"] = last_eval
         rec["issues"] = "; ".join(issues) or None
@@ -334,7 +222,7 @@ class Builder:
             step = line["step"]
             counts[raw["kind"]] += 1
             row = dict(ident, step=step)
-            row.update({k: _cell(line.get(k)) for k in scalars if k != "kind"})
+            row.update({k: cell(line.get(k)) for k in scalars if k != "kind"})
             self._append(table, row)
             if raw["kind"] == KIND_EVAL:
                 last_eval = row.get("eval_loss")
@@ -349,7 +237,7 @@ class Builder:
         zero = line.get("act_zero_frac") or {}
         sub = line.get("act_subnormal_frac") or {}
         for values, out in ((zero.values(), zero_fracs), (sub.values(), sub_fracs)):
-            mean = _finite_mean(values)
+            mean = finite_mean(values)
             if mean is not None:
                 out.append(mean)
         for order, layer in enumerate(dict.fromkeys([*zero, *sub])):
@@ -374,12 +262,12 @@ class Builder:
         if hist is None:
             return
         lo, counts = hist.get("lo"), hist.get("counts")
-        zeros = _as_float(hist.get("zeros")) or 0.0
+        zeros = as_float(hist.get("zeros")) or 0.0
         if isinstance(lo, bool) or not isinstance(lo, int) or not isinstance(counts, list) \
                 or abs(lo) > 10_000 or len(counts) > 10_000:
             bad["act_exp_hist"] += 1
             return
-        values = [_as_float(c) for c in counts]
+        values = [as_float(c) for c in counts]
         for i, c in enumerate(values):
             if c:
                 self._append("exp_hist", dict(ident, step=step, exponent=lo + i, count=c,
@@ -412,21 +300,3 @@ def _frame(df: pd.DataFrame, order: list[str]) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=[*ID_COLUMNS, *order[1:]])
     return df.sort_values(order, na_position="first").reset_index(drop=True)
-
-
-def _as_float(x: Any) -> float | None:
-    """A number as float (NaN/inf kept); anything else (a bool too) as ``None``."""
-    return coerce(_FLOAT, x)
-
-
-def _cell(x: Any) -> float | bool | None:
-    """A coerced scalar for a table cell: bools stay bools, numbers become floats."""
-    return x if x is None or isinstance(x, bool) else float(x)
-
-
-_FLOAT = Field("value", float, "a number")
-
-
-def _finite_mean(xs: Iterable[float]) -> float | None:
-    finite = [x for x in xs if math.isfinite(x)]
-    return math.fsum(finite) / len(finite) if finite else None

@@ -21,6 +21,8 @@
   ``P(X < Y) = mean over pairs of [x < y] + ½[x = y]`` (lower is better; rliable), with a
   percentile bootstrap interval resampling X and Y independently. ``+inf`` (a diverged run) is
   allowed in the rank-based statistics.
+* **Clopper–Pearson** exact interval of a binomial proportion ``k / n``
+  (:func:`clopper_pearson`): the paired reading's P(better) and a reproduced claim's rate.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats as sps
+
+__all__ = ["Array", "CHUNK", "LEVEL", "N_BOOT", "SEED", "STATISTICS", "bootstrap_ci",
+           "clopper_pearson", "iqm", "mann_whitney", "prob_improvement", "prob_improvement_ci",
+           "prob_improvement_rows", "welch_test"]
 
 #: Default bootstrap resamples and seed (fixed: a report regenerated from the same runs is
 #: identical).
@@ -199,3 +205,14 @@ def mann_whitney(x: Array, y: Array) -> tuple[float, float]:
         return (float(a.size * b.size / 2), 1.0)
     res = sps.mannwhitneyu(a, b, alternative="two-sided", method="auto")
     return (float(res.statistic), float(res.pvalue))
+
+
+def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """Exact two-sided ``level`` interval ``(lo, hi)`` of a binomial proportion from ``k``
+    successes in ``n`` trials (Clopper & Pearson, *Biometrika* 26, 1934): the ``p`` where
+    ``P(X ≥ k | p) = α/2`` and where ``P(X ≤ k | p) = α/2``, ``α = 1 − level`` — in closed form
+    the beta quantiles ``B(α/2; k, n−k+1)`` and ``B(1−α/2; k+1, n−k)``; ``lo = 0`` at ``k = 0``,
+    ``hi = 1`` at ``k = n``. Computed by ``scipy.stats.binomtest(k, n).proportion_ci(
+    method="exact")`` (root finding on the binomial tails)."""
+    ci = sps.binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
+    return (float(ci.low), float(ci.high))

@@ -7,79 +7,37 @@ with another strategy on the same workload at the same precision). Runs whose id
 unknown (no strategy, precision or workload) form groups of their own (shown as ``?``) and are
 never compared with ``native``; the report lists them.
 
-For the final eval loss and the time to target (:attr:`Metric.diverged_loses`), a **diverged**
-run has no meaningful value: it is left out of means, IQMs, their intervals and Welch's test, but
-enters the rank-based statistics (Mann–Whitney, probability of improvement) and the pairing by
-seed as ``+inf`` — a diverged run loses to every run that finished. The time to target of a run
-that never reached the target is ``+inf`` too (:attr:`Metric.inf_loses`): left out of means, it
-loses its seed the same way (:mod:`analysis.targets`). Runs of any other status (failed,
+For the final eval loss and the time to target (``diverged_loses`` of their
+:class:`~analysis.metrics.Metric`), a **diverged** run has no meaningful value: it is left out of
+means, IQMs, their intervals and Welch's test, but enters the rank-based statistics
+(Mann–Whitney, probability of improvement) and the pairing by seed as ``+inf`` — a diverged run
+loses to every run that finished. The time to target of a run that never reached the target is
+``+inf`` too (``inf_loses``): left out of means, it loses its seed the same way
+(:mod:`analysis.targets`). Runs of any other status (failed,
 incomplete, stalled, …) enter no statistic. The paired (by seed) comparisons are in
 :mod:`analysis.paired`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
+from analysis.metrics import METRICS, PRIMARY, Metric, metric
 from analysis.paired import PAIRED_COLUMNS, holm, paired_stats, reading
-from analysis.runset import STATUSES
+from analysis.records import STATUSES
 from analysis.stats import (LEVEL, N_BOOT, SEED, bootstrap_ci, iqm, mann_whitney,
                             prob_improvement, prob_improvement_ci, welch_test)
+from analysis.targets import REFERENCE_PRECISION, REFERENCE_STRATEGY
+
+__all__ = ["BASELINE", "CELL_KEYS", "COMPARE_COLUMNS", "GROUP_KEYS", "compare_to_baseline",
+           "compare_to_reference", "identified", "metric_values", "rank_strategies", "summarize"]
 
 GROUP_KEYS = ["workload", "precision", "strategy"]
 CELL_KEYS = ["workload", "precision"]
 BASELINE = "native"
-REFERENCE_PRECISION = "fp32"
-
-
-@dataclass(frozen=True)
-class Metric:
-    """A per-run metric compared across strategies; lower is better for all of them.
-
-    ``diverged_loses``: a diverged run counts as ``+inf`` in the rank statistics and the
-    pairing; ``inf_loses``: a completed run's ``+inf`` value (never reached) counts the same way.
-    Both are left out of means either way."""
-
-    column: str
-    label: str
-    description: str
-    diverged_loses: bool = False
-    inf_loses: bool = False
-
-
-#: The metrics the report compares, primary first.
-METRICS: tuple[Metric, ...] = (
-    Metric("final_eval_loss", "final eval loss",
-           "validation loss at the end of training (primary metric)", diverged_loses=True),
-    Metric("steps_to_target", "time to target",
-           "first logged step whose training loss (loss_avg) is at or below the target: the fp32 "
-           "run's (same workload and seed) at its first logged step ≥ half its steps; never "
-           "reached = inf (loses its seed, left out of means)", diverged_loses=True,
-           inf_loses=True),
-    Metric("skipped_steps", "skipped steps",
-           "optimizer steps skipped because of non-finite gradients"),
-    Metric("strategy_overhead_frac", "strategy overhead",
-           "mean per-step time in the strategy's scale/unscale/update, as a fraction of the step"),
-    Metric("act_zero_frac_mean", "act-grad zero fraction",
-           "fraction of activation-gradient elements that are exactly zero (underflow plus "
-           "structural zeros such as ReLU), averaged over layers and logged steps"),
-    Metric("fidelity_lost_frac_mean", "lost gradient entries",
-           "fraction of gradient entries nonzero in fp32 but zero in mixed precision, mean over the "
-           "fidelity probes (train.fidelity_every)"),
-    Metric("fidelity_one_minus_cos_mean", "1 - cosine to fp32",
-           "1 - cosine similarity of the unscaled mixed-precision gradient and the fp32 gradient, mean "
-           "over the fidelity probes"),
-)
-PRIMARY = METRICS[0].column
-METRIC_BY_COLUMN = {m.column: m for m in METRICS}
-
-
-def _metric(column: str) -> Metric:
-    return METRIC_BY_COLUMN.get(column, Metric(column, column, column))
 
 
 def identified(runs: pd.DataFrame) -> pd.DataFrame:
@@ -93,12 +51,12 @@ def metric_values(group: pd.DataFrame, column: str, *, for_ranks: bool = False) 
     """Per-run values of ``column`` that enter the statistics (see the module docstring).
 
     Finite values of completed runs; with ``for_ranks``, ``+inf`` for each diverged run of a
-    :attr:`Metric.diverged_loses` metric and each completed run's ``+inf`` of an
-    :attr:`Metric.inf_loses` one.
+    ``diverged_loses`` metric and each completed run's ``+inf`` of an ``inf_loses`` one
+    (:class:`~analysis.metrics.Metric`).
     """
     if column not in group:
         return np.array([], dtype=float)
-    m = _metric(column)
+    m = metric(column)
     done = group[group["status"] == "completed"]
     vals = pd.to_numeric(done[column], errors="coerce").to_numpy(dtype=float)
     n_inf = int(np.sum(vals == np.inf)) if m.inf_loses else 0
@@ -177,7 +135,7 @@ def compare_to_reference(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS
     with ``baseline`` = ``"fp32"``; by default for the primary metric only (the loss gap)."""
     pairs = []
     for workload, wl in identified(runs).groupby("workload", sort=True):
-        ref = wl[(wl["precision"] == REFERENCE_PRECISION) & (wl["strategy"] == "none")]
+        ref = wl[(wl["precision"] == REFERENCE_PRECISION) & (wl["strategy"] == REFERENCE_STRATEGY)]
         low = wl[wl["precision"] != REFERENCE_PRECISION]
         pairs += [((workload, precision, strategy), group, ref) for (precision, strategy), group
                   in low.groupby(["precision", "strategy"], sort=True) if not ref.empty]
@@ -187,8 +145,9 @@ def compare_to_reference(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS
 
 def _by_seed(group: pd.DataFrame, column: str) -> pd.Series:
     """One value per seed for pairing: completed runs' finite values, ``+inf`` where the
-    metric says a run loses (:class:`Metric`), the mean where a seed ran more than once."""
-    m = _metric(column)
+    metric says a run loses (:class:`~analysis.metrics.Metric`), the mean where a seed ran more
+    than once."""
+    m = metric(column)
     vals = pd.to_numeric(group[column], errors="coerce") if column in group else \
         pd.Series(np.nan, index=group.index)
     completed = group["status"] == "completed"

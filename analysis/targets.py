@@ -27,8 +27,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.metrics import STEPS_TO_TARGET
+
+__all__ = ["COLUMN", "REFERENCE_PRECISION", "REFERENCE_STRATEGY", "steps_to_target", "targets",
+           "train_loss"]
+
 #: Column of the ``runs`` table.
-COLUMN = "steps_to_target"
+COLUMN = STEPS_TO_TARGET.column
 REFERENCE_PRECISION, REFERENCE_STRATEGY = "fp32", "none"
 
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+__all__ = ["FORMULA_START", "MAX_CHARS", "clock", "code", "fmt", "fmt_ci", "fmt_p", "human",
+           "inert_cell", "is_missing", "pct", "prob", "write_atomic", "write_csv"]
 
 #: Longest untrusted string shown in full (the rest is cut with "…").
 MAX_CHARS = 160
@@ -98,10 +102,6 @@ def clock(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def is_pct(col: str) -> bool:
-    return col.endswith("_frac") or col.endswith("_frac_mean")
-
-
 #: First characters that make a spreadsheet read a cell as a formula (OWASP, "CSV Injection").
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
@@ -127,14 +127,28 @@ def write_csv(df: pd.DataFrame, path: str | Path) -> None:
 
 def write_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``
-    (a reader sees the old file or the new one, never half of one)."""
+    (a reader sees the old file or the new one, never half of one). The file keeps its mode, or
+    a new one gets the mode ``open`` would give it (``0o666`` less the umask), not the temporary
+    file's ``0o600``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.chmod(tmp, _mode_of(path))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _mode_of(path: Path) -> int:
+    """The permission bits of ``path``, or those a new file gets from ``open`` (``0o666`` less
+    the process umask, read by setting it and putting it back)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask

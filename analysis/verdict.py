@@ -6,20 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
-                             NOT_COMPARABLE, WORSE_FEW, min_wilcoxon_p)
-from analysis.tables import BASELINE, PRIMARY, REFERENCE_PRECISION
-from analysis.text import code, fmt, fmt_ci, fmt_p, is_pct, pct
+from analysis.metrics import (ACT_ZERO_FRAC, FINAL_EVAL_LOSS, PRIMARY, SKIPPED_STEPS,
+                              STRATEGY_OVERHEAD)
+from analysis.paired import min_wilcoxon_p
+from analysis.tables import BASELINE
+from analysis.targets import REFERENCE_PRECISION
+from analysis.text import code, fmt, fmt_ci, fmt_p, pct
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                            NOT_COMPARABLE, PHRASES, WORSE_FEW)
 
+__all__ = ["cell_verdict", "comparison", "evidence", "overall_verdict", "phrase"]
 
-PHRASES = {
-    CLEARLY_BETTER: "clearly better than {b}",
-    CLEARLY_WORSE: "clearly worse than {b}",
-    BETTER_FEW: "better than {b} in these seeds, but too few seeds for a significant test",
-    WORSE_FEW: "worse than {b} in these seeds, but too few seeds for a significant test",
-    NO_DIFFERENCE: "no detectable difference from {b}",
-    NOT_COMPARABLE: "not comparable (too few finished runs)",
-}
+LOSS = FINAL_EVAL_LOSS.label
 
 
 def phrase(reading: str, baseline: str = BASELINE) -> str:
@@ -47,6 +45,9 @@ def evidence(c: pd.Series) -> str:
 
 def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd.DataFrame,
                   comps: pd.DataFrame) -> str:
+    """One paragraph for a workload × precision: the top tier on the primary metric, its paired
+    readings against ``native`` and fp32, who read worse, other clear differences, the cost, and
+    the runs that did not finish."""
     cell_s = summary[(summary["workload"] == workload) & (summary["precision"] == precision)]
     cell_r = ranks[(ranks["workload"] == workload) & (ranks["precision"] == precision)]
     ranked = cell_r.dropna(subset=["rank"])
@@ -60,10 +61,10 @@ def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd
     lead = row(top[0])
     loss = fmt_ci(lead[f"{PRIMARY}_mean"], lead[f"{PRIMARY}_mean_lo"], lead[f"{PRIMARY}_mean_hi"])
     if len(top) == 1:
-        parts.append(f"{where}: {code(top[0])} reached the lowest final eval loss, {loss} "
+        parts.append(f"{where}: {code(top[0])} reached the lowest {LOSS}, {loss} "
                      f"(mean [95% CI], {int(lead[f'{PRIMARY}_n'])} seeds).")
     else:
-        parts.append(f"{where}: {names} are tied for the lowest final eval loss (their 95% "
+        parts.append(f"{where}: {names} are tied for the lowest {LOSS} (their 95% "
                      f"intervals overlap; best mean {loss}).")
     for s in top:
         c = comparison(comps, workload, precision, s)
@@ -79,17 +80,16 @@ def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd
         if s not in top and c is not None and c.reading in (CLEARLY_WORSE, WORSE_FEW):
             worse.append(f"{code(s)} ({phrase(c.reading)}; {evidence(c)})")
     if worse:
-        parts.append(f"Worse than `{BASELINE}` on final eval loss: " + ", ".join(worse) + ".")
+        parts.append(f"Worse than `{BASELINE}` on {LOSS}: " + ", ".join(worse) + ".")
     others = []
-    for col, noun in (("act_zero_frac_mean", "activation-gradient zeros"),
-                      ("skipped_steps", "skipped steps")):
+    for m in (ACT_ZERO_FRAC, SKIPPED_STEPS):
         rows = comps[(comps["workload"] == workload) & (comps["precision"] == precision)
-                     & (comps["metric"] == col) & (comps["baseline"] == BASELINE)]
+                     & (comps["metric"] == m.column) & (comps["baseline"] == BASELINE)]
         for _, c in rows.iterrows():
             if c.reading in (CLEARLY_BETTER, CLEARLY_WORSE):
-                f = pct if is_pct(col) else fmt
+                f = pct if m.pct else fmt
                 more = "fewer" if c.reading == CLEARLY_BETTER else "more"
-                others.append(f"{code(c.strategy)} {more} {noun} ({f(c['mean'])} vs "
+                others.append(f"{code(c.strategy)} {more} {m.noun} ({f(c['mean'])} vs "
                               f"{f(c.base_mean)})")
     if others:
         parts.append(f"Clearly different from `{BASELINE}` besides loss: " + "; ".join(others)
@@ -159,18 +159,19 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
         winners = sorted(set(loss[loss["reading"].isin([CLEARLY_BETTER, BETTER_FEW])]["strategy"]))
     text = "**Verdict:** "
     if comparable and not winners:
-        text += (f"no strategy reached a detectably lower final eval loss than `{BASELINE}` in "
-                 "any comparison (every paired reading is 'no detectable difference' or worse). "
-                 "Judged also by divergence, skipped steps and underflow, ")
+        text += (f"no strategy reached a detectably lower {LOSS} than `{BASELINE}` in "
+                 f"any comparison (every paired reading is '{NO_DIFFERENCE}' or worse). "
+                 f"Judged also by divergence, {SKIPPED_STEPS.noun} and underflow, ")
     elif winners:
-        text += (f"beating `{BASELINE}` on final eval loss in at least one comparison: "
+        text += (f"beating `{BASELINE}` on {LOSS} in at least one comparison: "
                  + ", ".join(code(w) for w in winners) + ". Overall, ")
 
     def health(r: pd.Series) -> str:
-        return (f"top tier for final eval loss in {r['top']} of {cells}, "
+        return (f"top tier for {LOSS} in {r['top']} of {cells}, "
                 + ("no diverged run" if r["diverged"] == 0 else f"{r['diverged']} diverged run(s)")
-                + f", {fmt(r['skipped'])} skipped steps per run, {pct(r['zeros'])} "
-                  f"activation-gradient zeros, strategy overhead {pct(r['overhead'])} of step time")
+                + f", {fmt(r['skipped'])} {SKIPPED_STEPS.noun} per run, {pct(r['zeros'])} "
+                  f"{ACT_ZERO_FRAC.noun}, {STRATEGY_OVERHEAD.label} {pct(r['overhead'])} of step "
+                  "time")
 
     text += (f"{code(best['strategy'])} kept training healthiest in this sweep "
              f"({cells} workload×precision comparison{'s' if cells != 1 else ''}): {health(best)}")
@@ -182,7 +183,8 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
                  & (board["strategy"] != best["strategy"])]
     if not ties.empty:
         text += (" Equally often in the top tier: " + ", ".join(code(s) for s in ties["strategy"])
-                 + " — the order among them comes from skipped steps, underflow and overhead.")
+                 + f" — the order among them comes from {SKIPPED_STEPS.noun}, underflow and "
+                   "overhead.")
     counts = s_low[f"{PRIMARY}_n"]
     n_seeds = int(counts[counts > 0].min()) if (counts > 0).any() else 0
     if 0 < n_seeds < 6:

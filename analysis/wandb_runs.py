@@ -15,6 +15,8 @@ from experiments.schema import KIND_EVAL, KIND_FIDELITY, KIND_TRAIN
 
 from analysis.runset import IDENTITY_KEYS, Builder, RunLoadError, RunSet
 
+__all__ = ["KINDS", "load_wandb", "wandb_rows_to_lines"]
+
 KINDS = (KIND_TRAIN, KIND_EVAL, KIND_FIDELITY)
 
 

@@ -23,23 +23,29 @@ metric, none is called best and the row says what the paired readings say:
 
 A cell without ``native`` (e.g. a bf16 control with only ``none``) is compared with the fp32
 run of the same seed only: the row shows the strategy with the smallest paired loss gap. Cells
-at fp32 have no row. Readings are written in :mod:`analysis.paired`'s exact words.
+at fp32 have no row. Readings are written in their exact words (:mod:`analysis.words`).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
-                             NOT_COMPARABLE, WORSE_FEW)
+from analysis.metrics import (FINAL_EVAL_LOSS, LOST_ENTRIES, ONE_MINUS_COS, PRIMARY,
+                              SKIPPED_STEPS, STEPS_TO_TARGET, STRATEGY_OVERHEAD, label)
 from analysis.profiles import cross_workload
-from analysis.tables import (BASELINE, METRIC_BY_COLUMN, PRIMARY, REFERENCE_PRECISION,
-                             identified)
+from analysis.tables import BASELINE, identified
+from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci
+from analysis.words import (BETTER_ACROSS, BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE,
+                            NO_DIFFERENCE, NOT_COMPARABLE, TIE_ACROSS, WORSE_ACROSS, WORSE_FEW)
+
+__all__ = ["COLUMNS", "CROSS_CAPTION", "ORDER", "cross_rows", "cross_verdict",
+           "cross_workload_table", "order_text", "table_rows", "which_strategy_when"]
 
 #: The metrics the verdict reads, in this order.
-ORDER = ("final_eval_loss", "steps_to_target", "fidelity_lost_frac_mean",
-         "fidelity_one_minus_cos_mean", "skipped_steps", "strategy_overhead_frac")
+ORDER = tuple(m.column for m in (FINAL_EVAL_LOSS, STEPS_TO_TARGET, LOST_ENTRIES, ONE_MINUS_COS,
+                                 SKIPPED_STEPS, STRATEGY_OVERHEAD))
+LOSS = FINAL_EVAL_LOSS.label
 
 COLUMNS = ["workload", "regime", "precision", "best_strategy", "strategy_shown", "decided_by",
            "vs_native_diff", "vs_native_lo", "vs_native_hi", "vs_native_reading",
@@ -49,10 +55,6 @@ COLUMNS = ["workload", "regime", "precision", "best_strategy", "strategy_shown",
 def order_text() -> str:
     """The metric order in words, for the report."""
     return ", then ".join(label(m) for m in ORDER)
-
-
-def label(metric: str) -> str:
-    return METRIC_BY_COLUMN[metric].label if metric in METRIC_BY_COLUMN else metric
 
 
 def which_strategy_when(runs: pd.DataFrame, comps: pd.DataFrame) -> pd.DataFrame:
@@ -87,9 +89,9 @@ def _cell(strategies: list[str], comps: pd.DataFrame) -> dict[str, object]:
     if metric is not None:
         best = cand.iloc[0]
         names = ", ".join(code(s) for s in cand["strategy"])
-        lead = (f"the only rule clearly better than `{BASELINE}` on {label(metric)}: {names} "
+        lead = (f"the only rule {CLEARLY_BETTER} than `{BASELINE}` on {label(metric)}: {names} "
                 f"({_delta(best)})" if len(cand) == 1 else
-                f"the only rules clearly better than `{BASELINE}` on {label(metric)}: {names}; "
+                f"the only rules {CLEARLY_BETTER} than `{BASELINE}` on {label(metric)}: {names}; "
                 f"{code(best.strategy)} has the largest paired gain ({_delta(best)})")
         return _shown(best.strategy, best, ref, metric, _before(metric) + lead + dropped,
                       best=True)
@@ -97,14 +99,14 @@ def _cell(strategies: list[str], comps: pd.DataFrame) -> dict[str, object]:
     if metric is not None:
         top = cand.iloc[0]
         names = ", ".join(code(s) for s in cand["strategy"])
-        text = (f"no rule clearly better than `{BASELINE}` on any metric; on {label(metric)} "
+        text = (f"no rule {CLEARLY_BETTER} than `{BASELINE}` on any metric; on {label(metric)} "
                 f"{names} {'is' if len(cand) == 1 else 'are'} {BETTER_FEW} "
                 f"({code(top.strategy)}: {_delta(top)})")
         return _shown(top.strategy, top, ref, metric, text + dropped)
     worse = sorted(set(native.loc[(native["metric"] == PRIMARY)
                                   & native["reading"].isin([CLEARLY_WORSE, WORSE_FEW]),
                                   "strategy"])) if not native.empty else []
-    also = f"; worse on final eval loss: {', '.join(code(s) for s in worse)}" if worse else ""
+    also = f"; worse on {LOSS}: {', '.join(code(s) for s in worse)}" if worse else ""
     readings = set(native["reading"]) if not native.empty else set()
     if NO_DIFFERENCE in readings:
         out = _shown(BASELINE, None, ref, "", f"no rule better than `{BASELINE}` on any metric "
@@ -127,7 +129,7 @@ def _control(strategies: list[str], ref: pd.DataFrame) -> dict[str, object]:
         ["paired_diff", "strategy"], na_position="last") if not ref.empty else ref
     shown = rows.iloc[0].strategy if not rows.empty else strategies[0]
     out = _shown(shown, None, ref, "", "")
-    gap = (f"{out['vs_fp32_reading']} on final eval loss ({_delta(rows.iloc[0])})"
+    gap = (f"{out['vs_fp32_reading']} on {LOSS} ({_delta(rows.iloc[0])})"
            if not rows.empty else "no fp32 run of the same seeds to compare with")
     many = " (smallest paired loss gap of " + ", ".join(code(s) for s in strategies) + ")" \
         if len(strategies) > 1 else ""
@@ -172,7 +174,7 @@ def _earliest(native: pd.DataFrame, wanted: str) -> tuple[str | None, pd.DataFra
         cand = hit[~hit["strategy"].isin(out)]
         if not cand.empty:
             left = sorted(set(hit["strategy"]) & out)
-            note = (f" (not counted, clearly worse on an earlier metric: "
+            note = (f" (not counted, {CLEARLY_WORSE} on an earlier metric: "
                     f"{', '.join(code(s) for s in left)})" if left else "")
             return metric, cand.sort_values(["paired_diff", "strategy"], na_position="last"), note
         out |= set(rows.loc[rows["reading"] == CLEARLY_WORSE, "strategy"])
@@ -183,7 +185,7 @@ def _before(metric: str) -> str:
     """``nothing clearly better on final eval loss, time to target; `` for the metrics read
     before ``metric``."""
     earlier = ORDER[:ORDER.index(metric)]
-    return (f"nothing clearly better on {', '.join(label(m) for m in earlier)}; "
+    return (f"nothing {CLEARLY_BETTER} on {', '.join(label(m) for m in earlier)}; "
             if earlier else "")
 
 
@@ -195,8 +197,8 @@ def table_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     """Columns and rows of the report's table (numbers formatted, readings verbatim)."""
     ambiguous = df.groupby("regime")["workload"].nunique().gt(1).any() if not df.empty else False
     cols = ["workload" if ambiguous else "regime", "precision", "best strategy", "decided by",
-            f"vs `{BASELINE}`: Δ [95% CI], reading", "vs fp32, final eval loss: Δ [95% CI], "
-            "reading", "reason"]
+            f"vs `{BASELINE}`: Δ [95% CI], reading", f"vs fp32, {LOSS}: Δ [95% CI], reading",
+            "reason"]
     rows = []
     for r in df.itertuples(index=False):
         shown = f"{code(r.strategy_shown)}: "
@@ -221,13 +223,11 @@ def _cell_effect(diff: float, lo: float, hi: float, reading: str, who: str) -> s
 
 # --- across workloads: AlgoPerf's performance-profile score beside rliable's aggregates --------
 
-BETTER_ACROSS, WORSE_ACROSS, TIE_ACROSS = ("higher B than `native`", "lower B than `native`",
-                                           "tie: the interval of B − B_native includes 0")
-
 CROSS_CAPTION = (
     "Across workloads (cross_workload.csv; analysis/profiles.py): every workload × precision "
-    f"with `{BASELINE}`, strategies run on all of them. Time to target = steps to the fp32 "
-    "run's half-time loss, ∞ when missed or diverged; per workload the median over seeds; "
+    f"with `{BASELINE}`, strategies run on all of them. {STEPS_TO_TARGET.label.capitalize()} = "
+    "steps to the fp32 run's half-time loss, ∞ when missed or diverged; per workload the median "
+    "over seeds; "
     "ratio r = time / the fastest strategy's; ρ(τ) = share of workloads with r ≤ τ; score "
     "B = ∫₁⁴ ρ(τ) dτ / 3 (AlgoPerf, Dahl et al. 2023; 1 = fastest everywhere, 0 = never within "
     "4× of it). IQM (rliable) of the speed relative to fp32 (fp32's median time / the run's, 0 "
@@ -271,15 +271,15 @@ def cross_workload_table(runs: pd.DataFrame, train: pd.DataFrame, *, n_boot: int
 def cross_verdict(df: pd.DataFrame) -> str:
     """One sentence: the cross-workload winner, or why there is none."""
     if df.empty:
-        return (f"Across workloads: no workload × precision with `{BASELINE}` and a time to "
-                "target (an fp32 reference of the same seeds is needed).")
+        return (f"Across workloads: no workload × precision with `{BASELINE}` and a "
+                f"{STEPS_TO_TARGET.label} (an fp32 reference of the same seeds is needed).")
     win = df[df["winner"]]
     better = df[df["reading"] == BETTER_ACROSS].sort_values("b", ascending=False)
     if win.empty and len(better) > 1:
         names = ", ".join(code(x) for x in better["strategy"])
-        return (f"Across workloads: no single winner — {names} have a higher B than "
-                f"`{BASELINE}`, but the highest is not separated from the next beyond the "
-                "interval of their paired difference.")
+        return (f"Across workloads: no single winner — {names} have a {BETTER_ACROSS}, but "
+                "the highest is not separated from the next beyond the interval of their paired "
+                "difference.")
     if win.empty:
         return (f"Across workloads: no winner — no strategy's B is separated from `{BASELINE}`'s"
                 " beyond its interval in the direction that would name it.")

@@ -5,7 +5,10 @@
 * no function over :data:`MAX_FUNCTION_LINES` lines (decorators and docstring included) other than
   a rule's update twin (``*_update_``), whose length is the maths;
 * ``import strategies`` loads the library only: not the doctor (``strategies.doctor``), and no
-  entry-point plugin (those load at the first ``available()``, ``get()`` or ``create()``).
+  entry-point plugin (those load at the first ``available()``, ``get()`` or ``create()``);
+* data flows one way (``../shared/DESIGN.md``, "Layout"): ``strategies/`` imports neither the app,
+  the analysis, Hydra nor W&B; ``experiments/`` never imports ``analysis/``; ``analysis/`` reads the
+  app only through its run-record schema (``experiments.schema``) and never imports torch.
 
 The first three hold for every folder of :data:`FOLDERS`; add a folder there once it keeps them.
 """
@@ -13,6 +16,7 @@ The first three hold for every folder of :data:`FOLDERS`; add a folder there onc
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -22,8 +26,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("strategies",)
-"""The folders the house rules hold for (experiments/ and analysis/ to follow)."""
+FOLDERS = ("strategies", "experiments", "analysis", "hydra_plugins")
+"""The production folders the house rules hold for."""
 
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -64,14 +68,75 @@ def long_functions(tree: ast.Module) -> list[tuple[int, str, int]]:
     return out
 
 
+FORBIDDEN = {
+    "strategies": ("experiments", "analysis", "hydra", "omegaconf", "wandb", "hydra_plugins"),
+    "experiments": ("analysis",),
+    "analysis": ("torch", "strategies", "experiments", "hydra_plugins"),
+}
+"""Folder -> the top-level packages its modules may not import (the arrows that would run back up)."""
+ALLOWED = {"analysis": ("experiments.schema",)}
+"""Folder -> the modules of a forbidden package it may import all the same."""
+
+
+def imported_modules(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, dotted module) of every absolute import in ``tree``, at any depth."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def back_arrows(folder: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """The imports of a module of ``folder`` that run against the one-way flow."""
+    allowed = ALLOWED.get(folder, ())
+    return [(line, name) for line, name in imported_modules(tree)
+            if name.split(".")[0] in FORBIDDEN.get(folder, ())
+            and not any(name == a or name.startswith(a + ".") for a in allowed)]
+
+
+def test_data_flows_one_way() -> None:
+    bad = []
+    for folder in FORBIDDEN:
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            if "notebooks" in p.relative_to(ROOT).parts:
+                continue
+            bad += [f"{_rel(p)}:{line}: imports {name}" for line, name in back_arrows(folder, ast.parse(p.read_text()))]
+    assert not bad, "imports against the one-way flow of DESIGN.md:\n" + "\n".join(bad)
+
+
+def test_the_flow_check_sees_a_back_arrow() -> None:
+    tree = ast.parse("import torch\nfrom experiments.schema import SUMMARY_NAME\nfrom experiments.app import loop\n")
+    assert back_arrows("analysis", tree) == [(1, "torch"), (3, "experiments.app.loop")]
+    assert back_arrows("strategies", ast.parse("def f():\n    from analysis import report\n")) == \
+        [(2, "analysis.report")]
+
+
 def test_the_folders_hold_modules() -> None:
     names = {_rel(p) for p in sources()}
     assert "strategies/base.py" in names and "strategies/rules/native.py" in names
 
 
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
 def test_every_module_declares_all() -> None:
     bad = [_rel(p) for p in sources() if not declares_all(ast.parse(p.read_text(), str(p)))]
     assert not bad, "modules without __all__ (declare their public names):\n" + "\n".join(bad)
+
+
+def test_all_names_only_what_the_module_defines() -> None:
+    bad = []
+    for path in sources():
+        module = importlib.import_module(module_name(path))
+        missing = [name for name in getattr(module, "__all__", []) if not hasattr(module, name)]
+        if missing:
+            bad.append(f"{_rel(path)}: {missing}")
+    assert not bad, "__all__ names what the module lacks:\n" + "\n".join(bad)
 
 
 def test_no_file_is_over_the_limit() -> None:

@@ -30,6 +30,7 @@ from analysis.figures.fidelity import fidelity_curve_figures
 from analysis.figures.final import interval_figures, overhead_figures
 from analysis.figures.paired import paired_difference_figures
 from analysis.figures.underflow import exponent_histogram_figures, underflow_heatmap_figures
+from analysis.metrics import SKIPPED_STEPS
 from analysis.runset import RunSet
 
 __all__ = ["FORMAT_RANGES", "MAX_PER_KIND", "REFERENCE_PRECISION", "Figure", "all_figures",
@@ -52,7 +53,7 @@ def all_figures(rs: RunSet, summary: pd.DataFrame, bench: pd.DataFrame | None = 
         ("paired differences", lambda: paired_difference_figures(rs.runs)),
         ("gradient fidelity over steps", lambda: fidelity_curve_figures(rs)),
         ("scale trajectories", lambda: scale_trajectory_figures(rs)),
-        ("skipped steps", lambda: skipped_figures(rs)),
+        (SKIPPED_STEPS.noun, lambda: skipped_figures(rs)),
         ("underflow heat maps", lambda: underflow_heatmap_figures(rs)),
         ("gradient exponents", lambda: exponent_histogram_figures(rs)),
         ("overhead vs size", lambda: overhead_figures(bench)),

@@ -36,7 +36,7 @@ import seaborn as sns
 from matplotlib.figure import Figure as MplFigure
 
 from analysis.stats import SEED
-from analysis.tables import REFERENCE_PRECISION
+from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code
 
 __all__ = ["FORMAT_RANGES", "Figure", "MAX_PER_KIND", "REFERENCE_PRECISION", "band_plot",

@@ -8,7 +8,10 @@ import seaborn as sns
 
 from analysis.figures.common import (REFERENCE_PRECISION, Figure, band_plot, finish, finite,
                                      low_precisions, palette, subplots)
+from analysis.metrics import SKIPPED_STEPS
 from analysis.runset import RunSet
+
+__all__ = ["loss_curve_figures", "scale_trajectory_figures", "skipped_figures"]
 
 
 def loss_curve_figures(rs: RunSet) -> list[Figure]:
@@ -122,9 +125,9 @@ def skipped_figures(rs: RunSet) -> list[Figure]:
             band_plot(ax, cur, "step", "skipped_total", "strategy", pal, step=True)
             ax.legend(fontsize=7)
             ax.set_title(prec)
-            ax.set_ylabel("skipped steps so far")
+            ax.set_ylabel(f"{SKIPPED_STEPS.noun} so far")
         out.append(finish(
-            fig, "skipped", "Skipped steps", (workload,),
+            fig, "skipped", SKIPPED_STEPS.noun.capitalize(), (workload,),
             "Cumulative optimizer steps skipped for non-finite gradients (mean over completed and "
             "diverged runs, 95 % band). Each skip is a wasted step; a dynamic scaler pays a few "
             "at the start while it finds its scale, and one per growth attempt that overflows."))

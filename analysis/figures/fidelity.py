@@ -17,11 +17,14 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from analysis.figures.common import (Figure, band_plot, cells, finish, finite, palette,
                                      subplots)
+from analysis.metrics import LOST_ENTRIES, ONE_MINUS_COS, SKIPPED_STEPS, Metric
 from analysis.runset import RunSet
 
-#: (column of the fidelity table, name, axis label) per panel.
-PANELS = (("lost_frac", "lost gradient entries", "lost gradient entries (fraction)"),
-          ("one_minus_cos", "1 − cosine", "1 − cosine to the fp32 gradient"))
+__all__ = ["PANELS", "fidelity_curve_figures"]
+
+#: (column of the fidelity table, the run metric that is its mean over probes) per panel.
+PANELS: tuple[tuple[str, Metric], ...] = (("lost_frac", LOST_ENTRIES),
+                                          ("one_minus_cos", ONE_MINUS_COS))
 
 
 def fidelity_curve_figures(rs: RunSet) -> list[Figure]:
@@ -43,24 +46,25 @@ def fidelity_curve_figures(rs: RunSet) -> list[Figure]:
         cur = fid[(fid["workload"] == workload) & (fid["precision"] == prec)]
         fig, axes = subplots(1, len(PANELS), figsize=(5.2 * len(PANELS), 3.6))
         scales = []
-        for ax, (col, _, ylabel) in zip(axes[0], PANELS):
+        for ax, (col, m) in zip(axes[0], PANELS):
             band_plot(ax, cur, "step", col, "strategy", pal)
             scales.append(_symlog_if_wide(ax, cur[col]))
             ax.set_xlabel("step")
-            ax.set_ylabel(ylabel)
+            ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
         scale_note = ("Symlog y (linear near 0, log above the smallest positive value) where "
                       "values span more than two decades: " + ", ".join(
-                          f"{name}: {'symlog' if s else 'linear'}"
-                          for (_, name, _), s in zip(PANELS, scales)) + ".")
+                          f"{m.label}: {'symlog' if s else 'linear'}"
+                          for (_, m), s in zip(PANELS, scales)) + ".")
         out.append(finish(
             fig, "fidelity", "Gradient fidelity over steps", (workload, prec),
             "At each fidelity probe (train.fidelity_every), the fraction of gradient entries "
             "nonzero in fp32 but zero in mixed precision (left) and 1 − cosine of the unscaled "
             "mixed-precision gradient and the fp32 gradient of the same weights and batch "
             "(right): mean over completed runs (seeds) per strategy with its 95 % bootstrap "
-            "band; probes at skipped steps left out. Lower is closer to fp32. " + scale_note))
+            f"band; probes at {SKIPPED_STEPS.noun} left out. Lower is closer to fp32. "
+            + scale_note))
     return out
 
 

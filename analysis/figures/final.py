@@ -11,7 +11,9 @@ import pandas as pd
 import seaborn as sns
 
 from analysis.figures.common import Figure, finish, palette, subplots
-from analysis.tables import METRICS, Metric
+from analysis.metrics import METRICS, STRATEGY_OVERHEAD, Metric
+
+__all__ = ["interval_figures", "overhead_figures"]
 
 
 def interval_figures(summary: pd.DataFrame, metrics: Sequence[Metric] = METRICS) -> list[Figure]:
@@ -77,9 +79,10 @@ def overhead_figures(bench: pd.DataFrame | None) -> list[Figure]:
                      errorbar=None, ax=axes[0][1], legend=False)
         axes[0][1].axhline(1.0, color="black", lw=0.8, ls="--")
         axes[0][1].set(xscale="log", xlabel="parameters", ylabel="time / GradScaler time")
-    fig.suptitle("Strategy overhead vs model size (scalelab-bench)")
+    title = f"{STRATEGY_OVERHEAD.label.capitalize()} vs model size"
+    fig.suptitle(f"{title} (scalelab-bench)")
     fig.tight_layout()
-    return [Figure("overhead_vs_size", "Strategy overhead vs model size",
+    return [Figure("overhead_vs_size", title,
                    "From `scalelab-bench`: median time per step of scale + unscale_ + step + "
                    "update with a no-op optimizer (forward/backward excluded), every "
                    "configuration measured side by side in one process; right, relative to "

@@ -7,7 +7,10 @@ import pandas as pd
 import seaborn as sns
 
 from analysis.figures.common import REFERENCE_PRECISION, Figure, cells, finish, palette, subplots
-from analysis.tables import BASELINE, METRICS, PRIMARY, identified
+from analysis.metrics import PRIMARY, label
+from analysis.tables import BASELINE, identified
+
+__all__ = ["paired_difference_figures"]
 
 
 def paired_difference_figures(runs: pd.DataFrame, metric: str = PRIMARY) -> list[Figure]:
@@ -46,11 +49,10 @@ def paired_difference_figures(runs: pd.DataFrame, metric: str = PRIMARY) -> list
                       zorder=2)
         ax.axhline(0.0, color="black", lw=0.8, ls="--")
         ax.set_xlabel("")
-        label = {m.column: m.label for m in METRICS}.get(metric, metric)
-        ax.set_ylabel(f"{label} − {BASELINE}, same seed")
+        ax.set_ylabel(f"{label(metric)} − {BASELINE}, same seed")
         out.append(finish(
             fig, "paired", "Paired differences per seed", (workload, prec),
-            f"Each strategy's final eval loss minus `{BASELINE}`'s of the same seed (seeds fix "
+            f"Each strategy's {label(metric)} minus `{BASELINE}`'s of the same seed (seeds fix "
             "init and data order): one dot per seed, grey lines join one seed's runs. Below the "
             "dashed line the strategy did better in that seed; dots all on one side are what "
             "the paired tests read as a consistent difference."))

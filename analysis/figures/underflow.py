@@ -10,6 +10,8 @@ from analysis.figures.common import (FORMAT_RANGES, REFERENCE_PRECISION, Figure,
                                      palette, subplots)
 from analysis.runset import RunSet
 
+__all__ = ["exponent_histogram_figures", "underflow_heatmap_figures"]
+
 
 def underflow_heatmap_figures(rs: RunSet) -> list[Figure]:
     """Per workload × precision: one heat map per strategy of the activation-gradient zero

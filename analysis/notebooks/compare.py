@@ -48,8 +48,8 @@ except ImportError:  # opened from analysis/notebooks/ without installing: use t
 
 from analysis import figures as F
 from analysis.load import load_runs, load_wandb
-from analysis.tables import (PRIMARY, compare_to_baseline, compare_to_reference,
-                             rank_strategies, summarize)
+from analysis.metrics import PRIMARY
+from analysis.tables import compare_to_baseline, compare_to_reference, rank_strategies, summarize
 from analysis.when import order_text, which_strategy_when
 
 pd.set_option("display.width", 200)

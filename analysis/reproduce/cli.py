@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import analysis.reproduce.claims as registry
-from analysis.reproduce.claims.base import VERDICTS, Claim
+from analysis.reproduce.claims.base import Claim
 from analysis.reproduce.page import record_start, record_sweep, train_args, write_page
 from analysis.text import clock
+from analysis.words import VERDICTS
 
 __all__ = ["DEFAULTS", "main", "run_claims", "select_claims", "sweep_args", "train_env"]
 

@@ -24,19 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, load_claim_runs
-from analysis.document import Document
+from analysis.document import Document, write_document
 from analysis.load import RunLoadError
+from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, load_claim_runs
 from analysis.text import code, fmt, write_atomic
+from analysis.words import EVAL_ERROR, INCONCLUSIVE, NOT_REPRODUCED, NOT_RUN, REPRODUCED
 
-__all__ = ["ClaimResult", "NOT_RUN", "EVAL_ERROR", "RECORD_NAME", "build_page", "evaluate_claim",
-           "fmt_estimate", "larger_command", "read_record", "record_start", "record_sweep",
-           "train_args", "write_page"]
+__all__ = ["ClaimResult", "RECORD_NAME", "build_page", "evaluate_claim", "fmt_estimate",
+           "larger_command", "read_record", "record_start", "record_sweep", "train_args",
+           "write_page"]
 
 RECORD_NAME = "reproduce.json"
-#: Verdict-column words of a claim that has no findings (besides the three verdicts).
-NOT_RUN, EVAL_ERROR = "not run", "error"
-#: Failure statuses of a run (analysis/runset.py) that make a claim's runs incomplete.
+#: Failure statuses of a run (analysis/records.py) that make a claim's runs incomplete.
 _BAD_STATUSES = ("failed", "incomplete", "unknown")
 _MAX_WHY = 200
 
@@ -211,8 +210,9 @@ def _section(doc: Document, k: int, r: ClaimResult, out: str) -> None:
     doc.bullets([code(larger_command(c, sweep), 400) for sweep in c.sweeps])
 
 
-def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str, quick: bool) -> str:
-    """The page's Markdown (see the module docstring); a pure function of its arguments."""
+def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str, quick: bool
+               ) -> Document:
+    """The page (see the module docstring); a pure function of its arguments."""
     quick = bool(record.get("quick", quick))
     command = record.get("command") or ("scalelab-reproduce" + (" --quick" if quick else ""))
     shas = sorted({s[:12] for r in results for s in r.git_shas})
@@ -222,15 +222,17 @@ def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str,
           "`analysis/reproduce/claims/` that states the source, the small setting's deviations from it, "
           "and how its findings are judged.")
     mode = ("the **quick** subset: fewer arms, steps or seeds than the full setting, and a finding "
-            "with fewer than 10 paired seeds reads inconclusive" if quick else "the **full** setting")
+            f"with fewer than 10 paired seeds reads {INCONCLUSIVE}" if quick
+            else "the **full** setting")
     commits = (f"The runs were trained at git {', '.join(code(s) for s in shas)}." if shas
                else "No run records a git commit.")
     doc.p(f"Made by {code(command)} from the runs under {code(out)}: {mode}. {commits} The same "
           "command with `--report-only` rebuilds this page from the same runs, byte for byte.")
-    doc.p("Verdicts (`analysis/reproduce/claims/base.py`): **reproduced** — the 95 % interval over paired "
-          "seeds lies on the source's side (a difference excludes 0, a parity lies within its "
-          "stated margin, a rate clears its threshold); **not reproduced** — it lies on the "
-          "other side; **inconclusive** — neither, or fewer than 10 paired seeds.")
+    doc.p(f"Verdicts (`analysis/reproduce/claims/base.py`): **{REPRODUCED}** — the 95 % interval "
+          "over paired seeds lies on the source's side (a difference excludes 0, a parity lies "
+          "within its stated margin, a rate clears its threshold); "
+          f"**{NOT_REPRODUCED}** — it lies on the other side; **{INCONCLUSIVE}** — neither, or "
+          "fewer than 10 paired seeds.")
     doc.h(1, "Summary")
     if results:
         doc.table(["claim", "measure", "source", "scalelab [95 % interval]", "n", "verdict"],
@@ -239,13 +241,14 @@ def build_page(results: Sequence[ClaimResult], record: dict[str, Any], out: str,
         doc.p("No claims are registered (`analysis/reproduce/claims/__init__.py`: `CLAIMS`).")
     for k, r in enumerate(results, start=1):
         _section(doc, k, r, out)
-    return doc.to_markdown(Path("."))
+    return doc
 
 
 def write_page(out: str | Path, doc_path: str | Path, claims: Sequence[Claim], quick: bool) -> list[ClaimResult]:
     """Evaluate every claim in ``claims`` from ``<out>`` and write the page to ``doc_path``
-    atomically; return the results (for the runner's closing line)."""
+    (:func:`analysis.document.write_document`); return the results (for the runner's closing
+    line)."""
     record = read_record(out)
     results = [evaluate_claim(c, out, record) for c in claims]
-    write_atomic(doc_path, build_page(results, record, str(out), quick))
+    write_document(build_page(results, record, str(out), quick), doc_path)
     return results

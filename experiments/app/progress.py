@@ -34,6 +34,8 @@ from experiments.app.records import read_json
 from experiments.schema import SUMMARY_NAME
 from experiments.app.train import group_options
 
+__all__ = ["count_jobs", "clock", "job_line", "SweepProgress"]
+
 START, DONE = "start.json", "done"
 
 

@@ -20,6 +20,8 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+__all__ = ["DECAYS", "lr_at", "set_lr", "decay_groups", "loss"]
+
 DECAYS = ("cosine", "constant")
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "read_metrics",
     "truncate_metrics",
     "write_json_atomic",
+    "write_text_atomic",
     "summarize",
     "fingerprint",
     "redact",
@@ -67,12 +68,20 @@ def check(fields: dict[str, schema.Field], record: dict) -> dict:
     return record
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` via a temporary file and ``os.replace``, creating its
+    folder: a reader never sees half a page, and a failed write leaves the old one. The one way the
+    app writes a file others read (run records, ``docs/doctor.md``, the bench pages)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
 
 
 def write_summary(path: str | Path, summary: dict) -> None:
@@ -129,9 +138,7 @@ def truncate_metrics(path: str | Path, step: int) -> tuple[int, int]:
             later += 1
         else:
             kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
     return later, malformed
 
 

@@ -56,11 +56,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 import strategies
+from experiments.app.records import write_text_atomic
 from experiments.bench import gpu as bench_gpu, steps as bench_steps
 from experiments.bench.common import (VARIANTS, NoOpOptimizer, human, make_params, make_scaler, paired_ratio,
                                      parse_size, restore, scaling_step)
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
+
+__all__ = ["DEFAULT_SIZES", "step_timer", "bench_overhead", "bench_stats_pass", "format_tables",
+    "machine_info", "build_parser", "GPU_ONLY", "CPU_DOCS", "cpu_page", "main"]
 
 DEFAULT_SIZES = "1M,10M,50M"
 def step_timer(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], float]:
@@ -299,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     _write_json(result, args.out)
     if args.write_docs:
-        Path(args.write_docs).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write_docs).write_text(cpu_page(text, meta), encoding="utf-8")
+        write_text_atomic(args.write_docs, cpu_page(text, meta))
         print(f"wrote {args.write_docs}", file=sys.stderr)
     return 0
 

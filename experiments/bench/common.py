@@ -15,6 +15,9 @@ import torch
 
 import strategies
 
+__all__ = ["SUFFIX", "parse_size", "make_params", "restore", "human", "HOOKED", "VARIANTS", "make_scaler",
+    "scaling_step", "NoOpOptimizer", "paired_ms", "paired_ratio"]
+
 SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
 
 

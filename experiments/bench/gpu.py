@@ -40,9 +40,16 @@ from typing import Any, Callable
 
 import torch
 
+from experiments.app.records import write_text_atomic
 from experiments.bench.common import (NoOpOptimizer, human, make_params, make_scaler, paired_ratio, parse_size,
                                      restore, scaling_step)
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
+
+__all__ = ["DTYPES", "DEFAULT_STATS_SIZES", "DEFAULT_STEP_SIZES", "DEFAULT_DTYPES", "QUICK", "DEFAULT_DOCS",
+    "L2_FLUSH_BYTES", "LEAD_CYCLES", "STATS_CALLS", "STATS_LABELS", "GpuOptions", "parse_dtypes",
+    "gpu_options", "gbps", "time_rounds", "l2_flush", "torch_unscale_supports", "bench_stats_pass",
+    "bench_steps", "gpu_info", "run", "format_stats_table", "format_steps_table", "format_markdown",
+    "write_page"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_STATS_SIZES = "10M,30M,100M"
@@ -323,5 +330,4 @@ def format_markdown(result: dict[str, Any]) -> str:
 
 
 def write_page(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_markdown(result), encoding="utf-8")
+    write_text_atomic(path, format_markdown(result))

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import strategies
 from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio
 
+__all__ = ["bench_hooks", "bench_fused", "format_hooks", "format_fused"]
+
 def bench_hooks(repeats: int) -> list[dict[str, Any]]:
     """Two copies of one MLP, one with the strategy attached, timed round by round: a training
     step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached

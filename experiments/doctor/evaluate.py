@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from experiments.app.records import write_text_atomic
 from experiments.doctor.cases import SEEDS, Case, cases
 from strategies.doctor import CAUSES, EXIT_CODES, Diagnosis, decision_list, diagnose
 
@@ -288,8 +289,7 @@ def page(text: str, results: list[Result]) -> str:
 
 def write_docs(path: Path, text: str, results: list[Result]) -> None:
     """Write ``docs/doctor.md`` (:func:`page`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page(text, results))
+    write_text_atomic(path, page(text, results))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,7 +229,7 @@ def test_analysis_keys_come_from_the_schema():
     from experiments.schema import SUMMARY_FIELDS, TRAIN_FIELDS
 
     from analysis.runset import SUMMARY_COLUMNS, TRAIN_SCALARS
-    from analysis.tables import METRICS
+    from analysis.metrics import METRICS
     from analysis.targets import COLUMN
 
     assert set(SUMMARY_COLUMNS) == set(SUMMARY_FIELDS) - {"fingerprint"}

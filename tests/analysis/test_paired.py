@@ -11,10 +11,12 @@ import pytest
 from scipy import stats as sps
 
 from analysis.load import load_runs
-from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
-                             NOT_COMPARABLE, holm, min_wilcoxon_p, paired_stats, reading)
+from analysis.metrics import METRICS, PRIMARY
+from analysis.paired import holm, min_wilcoxon_p, paired_stats, reading
 from analysis.report import build_report
-from analysis.tables import METRICS, PRIMARY, compare_to_baseline, compare_to_reference
+from analysis.tables import compare_to_baseline, compare_to_reference
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                            NOT_COMPARABLE)
 from tests.analysis.synth import SweepSpec, write_sweep
 
 

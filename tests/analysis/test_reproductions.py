@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from analysis.reproduce import page as rp
-from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Finding
+from analysis.reproduce.claims.base import Finding
 from analysis.text import write_atomic
+from analysis.words import EVAL_ERROR, INCONCLUSIVE, NOT_REPRODUCED, NOT_RUN, REPRODUCED
 from tests.analysis.fake_claims import FAKE_CLAIMS, SEEDS, write_fake_runs
 
 
@@ -50,7 +52,7 @@ def test_every_finding_is_on_the_page_with_its_interval_and_verdict(page) -> Non
 def test_a_claim_whose_evaluate_raises_gets_one_row_and_the_page_goes_on(page) -> None:
     text, results = page
     broken = results[1]
-    assert broken.findings == [] and broken.verdict == rp.EVAL_ERROR
+    assert broken.findings == [] and broken.verdict == EVAL_ERROR
     line = "evaluate failed: RuntimeError: evaluate blew up on two lines"
     assert broken.problem == line
     assert f"| broken (3 run(s) failed or unfinished) | – | – | {line} | – | error |" in text
@@ -60,7 +62,7 @@ def test_a_claim_whose_evaluate_raises_gets_one_row_and_the_page_goes_on(page) -
 def test_a_claim_without_runs_says_not_run(page, out: Path) -> None:
     text, results = page
     absent = results[2]
-    assert absent.verdict == rp.NOT_RUN and absent.statuses == {}
+    assert absent.verdict == NOT_RUN and absent.statuses == {}
     assert absent.problem.startswith("no runs (run directory does not exist")
     assert "| absent | – | – | no runs (" in text
     assert f"**Runs:** none under `{out}/absent`." in text
@@ -135,7 +137,19 @@ def test_the_page_is_written_atomically(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
-        write_atomic(doc, "new page\n")  # the writer of this page and of docs/findings.md
+        write_atomic(doc, "new page\n")  # the writer of every page (analysis.document.write_document)
     assert doc.read_text() == "old page\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.md"]  # no temporary file left
+
+
+def test_a_written_page_has_the_mode_open_gives_and_a_rewrite_keeps_its_mode(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "new.md", "page\n")
+        assert stat.S_IMODE((tmp_path / "new.md").stat().st_mode) == 0o644  # not mkstemp's 0o600
+        (tmp_path / "new.md").chmod(0o640)
+        write_atomic(tmp_path / "new.md", "page again\n")
+        assert stat.S_IMODE((tmp_path / "new.md").stat().st_mode) == 0o640
+    finally:
+        os.umask(umask)
 

@@ -15,9 +15,10 @@ from scipy import stats as sps
 
 from analysis import stats
 from analysis.load import load_runs
-from analysis.stats import (bootstrap_ci, iqm, mann_whitney, prob_improvement,
+from analysis.metrics import PRIMARY
+from analysis.stats import (bootstrap_ci, clopper_pearson, iqm, mann_whitney, prob_improvement,
                             prob_improvement_ci, welch_test)
-from analysis.tables import PRIMARY, compare_to_baseline, rank_strategies, summarize
+from analysis.tables import compare_to_baseline, rank_strategies, summarize
 from tests.analysis.synth import SweepSpec, write_sweep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,6 +117,23 @@ def _runs(values: dict[str, list[float]], diverged: dict[str, int] | None = None
                          "skipped_steps": 0, "strategy_overhead_frac": 0.01,
                          "act_zero_frac_mean": 0.1})
     return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 10, 20, 37])
+@pytest.mark.parametrize("level", [0.9, 0.95])
+def test_clopper_pearson_is_scipys_exact_interval_and_the_beta_quantiles(n, level):
+    """One implementation of the exact binomial interval (paired P(better), claims' rates):
+    scipy's binomtest(...).proportion_ci(method="exact"), and Clopper & Pearson's closed form
+    B(α/2; k, n−k+1), B(1−α/2; k+1, n−k) with 0 and 1 at the ends."""
+    alpha = 1 - level
+    for k in range(n + 1):
+        lo, hi = clopper_pearson(k, n, level)
+        ci = sps.binomtest(k, n).proportion_ci(confidence_level=level, method="exact")
+        assert (lo, hi) == (ci.low, ci.high)
+        beta_lo = 0.0 if k == 0 else sps.beta.ppf(alpha / 2, k, n - k + 1)
+        beta_hi = 1.0 if k == n else sps.beta.ppf(1 - alpha / 2, k + 1, n - k)
+        assert lo == pytest.approx(beta_lo, abs=1e-9) and hi == pytest.approx(beta_hi, abs=1e-9)
+        assert 0.0 <= lo <= k / n <= hi <= 1.0
 
 
 def test_ranking_follows_true_order_and_ties_overlapping_intervals():

@@ -11,11 +11,12 @@ import pandas as pd
 import pytest
 
 from analysis.load import load_runs
-from analysis.paired import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
-                             NOT_COMPARABLE, WORSE_FEW)
+from analysis.metrics import METRICS, label
 from analysis.report import build_report
 from analysis.tables import compare_to_baseline, compare_to_reference
 from analysis.when import ORDER, which_strategy_when
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+                            NOT_COMPARABLE, WORSE_FEW)
 from tests.analysis.synth import SweepSpec, write_sweep
 
 N_BOOT = 200
@@ -128,8 +129,6 @@ def test_the_order_is_lexicographic_and_better_few_is_not_called_best():
 
 
 def test_docs_name_every_metric_and_the_order():
-    from analysis.tables import METRICS
-    from analysis.when import label
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "report.md").read_text("utf-8")
     for m in METRICS:

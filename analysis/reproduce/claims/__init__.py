@@ -1,18 +1,33 @@
 """Published loss-scaling claims that ``scalelab-reproduce`` tests (issue 22), one module each.
 
-``CLAIMS`` lists them in the order of ``docs/reproductions.md``; :mod:`analysis.reproduce.claims.base`
-holds what they share (the :class:`~analysis.reproduce.claims.base.Claim` description, findings, verdicts).
+Every module of this package that defines ``CLAIM`` (a
+:class:`~analysis.reproduce.claims.base.Claim`) is found and imported here, as ``import strategies``
+finds the rules: a new claim is one module here and one ``conf/experiment/repro_<name>.yaml``, no
+other edit. :data:`CLAIMS` lists them in
+the order of ``docs/reproductions.md``: by ``Claim.order``, then name.
+:mod:`analysis.reproduce.claims.base` holds what they share (the claim, findings, verdict rules).
 """
 
 from __future__ import annotations
 
-from analysis.reproduce.claims.adaloss import CLAIM as ADALOSS
-from analysis.reproduce.claims.base import Claim
-from analysis.reproduce.claims.fp8 import CLAIM as FP8
-from analysis.reproduce.claims.micikevicius2018 import CLAIM as MICIKEVICIUS2018
-from analysis.reproduce.claims.profiles import CLAIM as PROFILES
-from analysis.reproduce.claims.unit_scaling import CLAIM as UNIT_SCALING
-from analysis.reproduce.claims.wortsman2023 import CLAIM as WORTSMAN2023
+import importlib
+import pkgutil
 
-#: Issue 22's order: mixed precision (2018), AdaLoss, unit scaling, FP8, Wortsman 2023, profiles.
-CLAIMS: list[Claim] = [MICIKEVICIUS2018, ADALOSS, UNIT_SCALING, FP8, WORTSMAN2023, PROFILES]
+from analysis.reproduce.claims.base import Claim
+
+__all__ = ["CLAIMS", "discover"]
+
+
+def discover() -> list[Claim]:
+    """The ``CLAIM`` of every module of this package that has one, by ``order`` then name."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        claim = getattr(module, "CLAIM", None)
+        if isinstance(claim, Claim):
+            found.append(claim)
+    return sorted(found, key=lambda c: (c.order, c.name))
+
+
+#: Every claim, in page order.
+CLAIMS: list[Claim] = discover()

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis.reproduce.claims.base import (Claim, ClaimRuns, Finding, direction, paired_values, parity,
-                                  share)
+from analysis.metrics import FINAL_EVAL_LOSS
+from analysis.reproduce.claims.base import (Claim, ClaimRuns, Finding, direction, paired_values,
+                                            parity, share)
+from analysis.words import INCONCLUSIVE
 
 __all__ = ["CLAIM", "PARITY_MARGIN", "evaluate", "scales_at_one"]
 
@@ -30,6 +32,7 @@ __all__ = ["CLAIM", "PARITY_MARGIN", "evaluate", "scales_at_one"]
 PARITY_MARGIN = 0.05
 
 FP16, FP32 = "fp16", "fp32"
+LOSS = FINAL_EVAL_LOSS.label
 ADAPTIVE = {"strategy": "layerwise_adaloss", "precision": FP16}
 NONE16 = {"strategy": "none", "precision": FP16}
 REF = {"strategy": "none", "precision": FP32}
@@ -61,7 +64,7 @@ def _none_diverges(runs: ClaimRuns) -> list[Finding]:
     out = [share("share of fp16 S=1 runs that diverged", "SSD512 no loss scale: diverged (1 of 1)",
                  hits, len(none), "above", 0.5)]
     a, b = paired_values(sel, NONE16, REF)
-    out.append(direction("final eval loss, fp16 S=1 minus fp32", "diverged vs fp32 78.94 mAP",
+    out.append(direction(f"{LOSS}, fp16 S=1 minus fp32", "diverged vs fp32 78.94 mAP",
                          a, b, "higher"))
     return out
 
@@ -89,26 +92,27 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
     out = [_underflow(runs)]
     for scale, paper in FIXED.items():
         a, b = paired_values(r, ADAPTIVE, _fixed(scale))
-        out.append(direction(f"final eval loss, adaptive minus fixed S={scale}",
+        out.append(direction(f"{LOSS}, adaptive minus fixed S={scale}",
                              f"mAP adaptive {ADAPTIVE_MAP} vs fixed {scale} {paper} (one run each)",
                              a, b, "lower", note=note))
     a, b = paired_values(r, ADAPTIVE, DYNAMIC)
-    out.append(direction("final eval loss, adaptive minus dynamic (native, growth_interval 10)",
+    out.append(direction(f"{LOSS}, adaptive minus dynamic (native, growth_interval 10)",
                          f"mAP adaptive {ADAPTIVE_MAP} vs dynamic (interval 10) 75.04 (one run each)",
                          a, b, "lower", note=note))
     a, b = paired_values(r, ADAPTIVE, NONE16)
-    out.append(direction("final eval loss, adaptive minus no scaling (fp16 S=1)",
+    out.append(direction(f"{LOSS}, adaptive minus no scaling (fp16 S=1)",
                          f"mAP adaptive {ADAPTIVE_MAP} vs no loss scale: diverged (one run each)",
                          a, b, "lower", note=note))
     out.extend(_none_diverges(runs))
     a, b = paired_values(r, ADAPTIVE, REF)
-    out.append(parity("final eval loss, adaptive minus fp32", f"mAP adaptive {ADAPTIVE_MAP} vs fp32 "
+    out.append(parity(f"{LOSS}, adaptive minus fp32", f"mAP adaptive {ADAPTIVE_MAP} vs fp32 "
                       "78.94 (one run each)", a, b, PARITY_MARGIN))
     return out
 
 
 CLAIM = Claim(
     name="adaloss",
+    order=2,  # issue 22, item 2
     title="AdaLoss: per-layer adaptive loss scaling vs fixed and dynamic scaling",
     source=("Zhao, Vogel, Ahmed, Luk, \"Adaptive Loss Scaling for Mixed Precision Training\", "
             "IJCAI 2020 (arXiv 1910.12385); code kumasento/gradient-scaling: rule in "
@@ -122,9 +126,9 @@ CLAIM = Claim(
         "workload: an 8-layer width-16 ReLU MLP (conf/model/deep_narrow.yaml, PyTorch default init) "
         "on 16x16 template images (data=images), 200 AdamW steps of batch 32 on the CPU, instead "
         "of SSD512 (VGG16 backbone) on PASCAL VOC with SGD for 120k iterations",
-        "metric: final eval loss (cross-entropy on 1024 held-out images), not detection mAP",
+        f"metric: {LOSS} (cross-entropy on 1024 held-out images), not detection mAP",
         "20 paired seeds per arm instead of one run each; --quick (5 seeds, 60 steps, a smoke test "
-        "within 70 CPU-s: four sweeps' start-up dominates) reads inconclusive by MIN_PAIRS",
+        f"within 70 CPU-s: four sweeps' start-up dominates) reads {INCONCLUSIVE} by MIN_PAIRS",
         "scalelab's AdaLoss is per layer group (one scale per Linear+ReLU block and the head) on "
         "torch autocast fp16; the reference rescales inside each Chainer function",
         "dynamic scaling is torch's GradScaler rule (init 65536, x2 every 10 clean steps, /2 on "

@@ -1,12 +1,13 @@
 """What every reproduced claim shares: its description (:class:`Claim`), one row of the
 reproduction table (:class:`Finding`), the verdict rules, and the runs of its sweep as one frame.
 
-A claim is one module of :mod:`analysis.reproduce.claims` holding ``CLAIM = Claim(...)``. Its runs come from
+A claim is one module of :mod:`analysis.reproduce.claims` holding ``CLAIM = Claim(...)`` (found
+there by name, no list to edit). Its runs come from
 ``scalelab-train -m +experiment=repro_<name> hydra.sweep.dir=<out>/<name>`` (one such sweep per
 entry of ``Claim.sweeps``), and ``Claim.evaluate`` turns them into findings: the source's number,
 scalelab's estimate with its 95 % interval over paired seeds, and a verdict.
 
-**Verdicts** (the words of ``docs/reproductions.md``):
+**Verdicts** (the words of ``docs/reproductions.md``, defined in :mod:`analysis.words`):
 
 * :func:`direction` — the source says A is lower than B (or higher). Paired per-seed
   differences ``d = a - b``; their mean's BCa interval (:func:`analysis.stats.bootstrap_ci`)
@@ -16,7 +17,7 @@ scalelab's estimate with its 95 % interval over paired seeds, and a verdict.
   ``±margin``: **reproduced**; it lies wholly outside: **not reproduced**; else
   **inconclusive**. The margin is the claim's, stated in its finding (equivalence needs one).
 * :func:`share` — a rate (e.g. the share of seeds that diverged) with its Clopper–Pearson
-  interval, compared with a threshold on the claimed side.
+  interval (:func:`analysis.stats.clopper_pearson`), compared with a threshold on the claimed side.
 
 Fewer than :data:`MIN_PAIRS` paired seeds: **inconclusive** whatever the numbers say.
 """
@@ -31,18 +32,15 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import yaml
-from scipy import stats as sps
 
 from analysis.load import MAX_OVERRIDES_BYTES, RecordError, load_runs, read_capped
 from analysis.runset import RunSet
-from analysis.stats import LEVEL, bootstrap_ci
+from analysis.stats import bootstrap_ci, clopper_pearson
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, VERDICTS
 
-__all__ = ["Claim", "ClaimRuns", "Finding", "INCONCLUSIVE", "MIN_PAIRS", "NOT_REPRODUCED",
-           "REPRODUCED", "VERDICTS", "direction", "load_claim_runs", "paired_values", "parity", "select_runs",
-           "share"]
+__all__ = ["Claim", "ClaimRuns", "Finding", "MIN_PAIRS", "direction", "load_claim_runs",
+           "paired_values", "parity", "select_runs", "share"]
 
-REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
-VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
 #: Paired seeds a verdict needs (issue 22: at least 10 per claim).
 MIN_PAIRS = 10
 
@@ -96,7 +94,9 @@ class Claim:
       that tell the arms apart beyond strategy/precision/workload; each becomes a column;
     * ``evaluate`` — :class:`ClaimRuns` to findings;
     * ``experiment`` — the Hydra experiment the sweeps run (``+experiment=<experiment>``);
-      empty (the default) means ``repro_<name>``.
+      empty (the default) means ``repro_<name>``;
+    * ``order`` — its place on ``docs/reproductions.md`` (and in
+      :data:`analysis.reproduce.claims.CLAIMS`): claims sort by it, then by name.
     """
 
     name: str
@@ -109,6 +109,7 @@ class Claim:
     quick: tuple[str, ...] = ()
     factors: tuple[str, ...] = ()
     experiment: str = ""
+    order: int = 0
 
     def __post_init__(self) -> None:
         if not self.experiment:
@@ -238,8 +239,7 @@ def share(measure: str, paper: str, hits: int, n: int, claimed: str, threshold: 
         raise ValueError(f"claimed must be 'above' or 'below', got {claimed!r}")
     if n == 0:
         return Finding(measure, paper, math.nan, math.nan, math.nan, 0, INCONCLUSIVE, note)
-    ci = sps.binomtest(int(hits), int(n)).proportion_ci(confidence_level=LEVEL, method="exact")
-    lo, hi = float(ci.low), float(ci.high)
+    lo, hi = clopper_pearson(hits, n)
     if n < MIN_PAIRS:
         verdict = INCONCLUSIVE
     elif (lo > threshold) if claimed == "above" else (hi < threshold):

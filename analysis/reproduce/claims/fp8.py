@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis.metrics import FINAL_EVAL_LOSS, SKIPPED_STEPS
 from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, direction, paired_values, parity, select_runs
 
 __all__ = ["CLAIM", "MARGIN", "ROLE_COLUMNS", "evaluate"]
@@ -48,14 +49,15 @@ def _skips(runs: pd.DataFrame, where: dict) -> str:
     """Mean skipped steps (the loss scaler's overflows) of the completed runs matching ``where``."""
     arm = select_runs(runs, {"status": "completed", **where})
     vals = pd.to_numeric(arm["skipped_steps"], errors="coerce").dropna() if "skipped_steps" in arm else []
-    return f"{vals.mean():.1f} skipped steps per run" if len(vals) else "skipped steps not recorded"
+    noun = SKIPPED_STEPS.noun
+    return f"{vals.mean():.1f} {noun} per run" if len(vals) else f"{noun} not recorded"
 
 
 def evaluate(runs: ClaimRuns) -> list[Finding]:
     """(i) parity of all-current fp8 with bf16; (ii) delayed in one role minus all-current, per role;
     (iii) no cast scaling minus all-current."""
     r = runs.runs
-    loss = "final eval loss (nats)"
+    loss = f"{FINAL_EVAL_LOSS.label} ({FINAL_EVAL_LOSS.unit})"
     a, b = paired_values(r, CURRENT, {"precision": "bf16"})
     out = [parity(f"{loss}, fp8 hybrid (E4M3 fwd / E5M2 bwd, current scaling in every role) minus bf16",
                   _PAPER, a, b, MARGIN)]
@@ -73,6 +75,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="fp8",
+    order=4,  # issue 22, item 4
     title="FP8 formats: E4M3 forward / E5M2 backward at 16-bit parity; delayed vs current scaling per tensor role",
     source=("Micikevicius, Stosic, Burgess, Cornea, Dubey, Grisenthwaite, Ha, Heinecke, Judd, Kamalu, Mellempudi, "
             "Oberman, Shoeybi, Siu, Wu, 'FP8 Formats for Deep Learning', arXiv:2209.05433, 2022; "
@@ -89,7 +92,7 @@ CLAIM = Claim(
            "role pays."),
     deviations=(
         "a 2-layer, 32-wide character GPT trained 40 steps at batch 16 on Python's stdlib source, not GPT-3 "
-        "126M-175B trained to convergence; the measure is the final eval loss on 4 x 128 sequences",
+        f"126M-175B trained to convergence; the measure is the {FINAL_EVAL_LOSS.label} on 4 x 128 sequences",
         "simulated fp8: each Linear's input and weight are quantised-dequantised by torch's E4M3 cast and the "
         "matmul runs in bf16 autocast (the dequantised operands rounded to bf16); TE runs fp8 tensor-core GEMMs "
         "and multiplies the product by 1 / (s_x s_W)",

@@ -34,11 +34,15 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.reproduce.claims.base import (INCONCLUSIVE, MIN_PAIRS, NOT_REPRODUCED, REPRODUCED, Claim, ClaimRuns,
-                                  Finding, direction, paired_values, parity, select_runs)
+from analysis.metrics import FINAL_EVAL_LOSS
+from analysis.reproduce.claims.base import (MIN_PAIRS, Claim, ClaimRuns, Finding, direction,
+                                            paired_values, parity, select_runs)
 from analysis.stats import bootstrap_ci
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 
 __all__ = ["BANDS", "CLAIM", "band", "band_shares", "evaluate", "parity_margin"]
+
+LOSS = FINAL_EVAL_LOSS.label
 
 #: (label, lowest exponent, highest exponent + 1) of ``floor(log2|g|)``; ``None`` = unbounded.
 BANDS: tuple[tuple[str, int | None, int | None], ...] = (
@@ -152,12 +156,13 @@ def _workload(runs: ClaimRuns, model: str) -> list[Finding]:
                         claimed, threshold))
     losses = fp32["final_eval_loss"].to_numpy(dtype=float)
     margin = parity_margin(losses)
-    why = f"margin = half the fp32 seed-to-seed sd of final eval loss ({np.std(losses, ddof=1) if losses.size > 1 else math.nan:.3g})"
+    sd = np.std(losses, ddof=1) if losses.size > 1 else math.nan
+    why = f"margin = half the fp32 seed-to-seed sd of {LOSS} ({sd:.3g})"
     s1_zero = _zero_frac(runs, sel, _static(1))
     fp32_zero = float(shares["zero_frac"].mean()) if "zero_frac" in shares else math.nan
     below = float(shares["below 2^-24"].mean()) if "below 2^-24" in shares else math.nan
     a, b = paired_values(sel, _static(1), FP32)
-    s1 = direction(f"{model}: final eval loss, fp16 S=1 minus fp32", "Sec. 4.2: SSD in fp16 "
+    s1 = direction(f"{model}: {LOSS}, fp16 S=1 minus fp32", "Sec. 4.2: SSD in fp16 "
                          "without loss scaling diverges", a, b, "higher",
                          note=f"fp32 puts {below:.2%} of nonzero activation gradients below 2^-24; exact "
                               f"zeros: {fp32_zero:.2%} in fp32, {s1_zero:.2%} in fp16 S=1")
@@ -172,7 +177,7 @@ def _workload(runs: ClaimRuns, model: str) -> list[Finding]:
                                 (_static(65536), "fp16 S=2^16", "Sec. 3.2: no downside to a large "
                                  "factor as long as it does not cause overflow (32K still avoids it)")):
         a, b = paired_values(sel, where, FP32)
-        out.append(parity(f"{model}: final eval loss, {label} minus fp32", paper, a, b, margin,
+        out.append(parity(f"{model}: {LOSS}, {label} minus fp32", paper, a, b, margin,
                           note=why + _skips(sel, where)))
     return out
 
@@ -200,6 +205,7 @@ _ARMS = ((), ("precision=fp32", "strategy=none", "loss_scale=1"), ("strategy=nat
 
 CLAIM = Claim(
     name="micikevicius2018",
+    order=1,  # issue 22, item 1
     title="Mixed precision training: activation gradients below fp16's range, loss scale 8",
     source="Micikevicius, Narang, Alben, Diamos, Elsen, Garcia, Ginsburg, Houston, Kuchaiev, Venkatesh, "
            "Wu: 'Mixed Precision Training', ICLR 2018, Sec. 3.2 and Fig. 3; NVIDIA 'Training with Mixed "
@@ -211,7 +217,7 @@ CLAIM = Claim(
         "Workloads: a 9-block plain CNN (no normalisation, 8..32 channels, conf/model/cnn_deep.yaml) on "
         "16x16 generated template images and a 2x32 character GPT, not Multibox SSD (VGG-D) on VOC",
         "40 steps of AdamW (lr 3e-3, warmup, cosine, clip 1.0) instead of full SGD training; the "
-        "outcome is final eval loss, not mAP at convergence",
+        f"outcome is {LOSS}, not mAP at convergence",
         "fp16 is CPU torch.autocast: only matmul/conv outputs are fp16; LayerNorm, softmax and the "
         "embedding keep fp32 activation gradients (the paper stores all activation gradients in fp16)",
         "The histogram pools steps 10-40 of each fp32 run at the model's layer-boundary outputs "

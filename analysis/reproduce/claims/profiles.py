@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import math
 
-from analysis.reproduce.claims.base import (INCONCLUSIVE, MIN_PAIRS, NOT_REPRODUCED, REPRODUCED, Claim,
-                                  ClaimRuns, Finding)
+from analysis.metrics import STEPS_TO_TARGET
 from analysis.profiles import TAU_MAX, cross_workload
+from analysis.reproduce.claims.base import MIN_PAIRS, Claim, ClaimRuns, Finding
 from analysis.tables import BASELINE
 from analysis.text import fmt_ci
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
+
+__all__ = ["CLAIM", "PAPER", "evaluate", "verdict"]
 
 PAPER = ("no loss-scaling number in the source; AlgoPerf scores algorithms by B = ∫₁⁴ρ(τ)dτ/3 "
          "and reads a higher B as faster across workloads; hypothesis: B(rule) > B(GradScaler)")
@@ -45,7 +48,8 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
     df, suite = cross_workload(runs.runs, runs.runset.train)
     if df.empty:
         return [Finding(f"AlgoPerf score B − B_{BASELINE}", PAPER, math.nan, math.nan, math.nan,
-                        0, INCONCLUSIVE, "no workload with `native` and a time to target")]
+                        0, INCONCLUSIVE,
+                        f"no workload with `native` and a {STEPS_TO_TARGET.label}")]
     n = min(len(x) for x in suite.times)
     where = f"{len(suite.workloads)} workloads ({', '.join(suite.workloads)})"
     out = []
@@ -64,6 +68,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="profiles",
+    order=6,  # issue 22, item 6
     title="Performance profiles across workloads (AlgoPerf): does a rule beat GradScaler?",
     source=("Dahl et al., \"Benchmarking Neural Network Training Algorithms\", arXiv 2306.07179 "
             "(2023), mlcommons/algorithmic-efficiency scoring/performance_profile.py and "
@@ -72,7 +77,7 @@ CLAIM = Claim(
             "Reinforcement Learning at the Edge of the Statistical Precipice\", NeurIPS 2021, "
             "google-research/rliable (IQM, probability of improvement)"),
     claim=("AlgoPerf ranks training algorithms by B, the normalised area (τ from 1 to 4) under "
-           "the performance profile of time to target over a workload suite. Read for loss "
+           f"the performance profile of {STEPS_TO_TARGET.label} over a workload suite. Read for loss "
            "scaling: an adaptive rule has a higher B than torch.amp.GradScaler over underflow "
            "(tiny_grad), overflow (spikes), plain fp16 and fp8_e5m2 workloads, beyond the "
            "bootstrap interval of the paired difference."),

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pandas as pd
 
+from analysis.metrics import FINAL_EVAL_LOSS
 from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, select_runs, direction, paired_values, parity
 
 __all__ = ["CLAIM", "MARGIN", "evaluate"]
@@ -51,7 +52,7 @@ def _share(runs: pd.DataFrame, where: dict) -> str:
 def evaluate(runs: ClaimRuns) -> list[Finding]:
     """The findings of the claim (see the module docstring), in the order of the report."""
     r = _with_underflow(runs.runs)
-    loss = "final eval loss (nats)"
+    loss = f"{FINAL_EVAL_LOSS.label} ({FINAL_EVAL_LOSS.unit})"
     out = []
     for fmt, name in (("fp16", "fp16"), ("fp8_e5m2", "fp8-E5M2 (simulated)")):
         a, b = paired_values(r, _arm(True, fmt), _arm(True, "fp32"))
@@ -83,6 +84,7 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="unit_scaling",
+    order=3,  # issue 22, item 3
     title="Unit scaling trains in FP16 and FP8 without loss scaling",
     source=("Blake, Orr, Luschi, 'Unit Scaling: Out-of-the-Box Low-Precision Training', ICML 2023 "
             "(arXiv 2303.11257); graphcore-research/unit-scaling, commit 299e560: unit_scaling/scale.py, "

@@ -37,7 +37,9 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, INCONCLUSIVE, select_runs, direction, share
+from analysis.metrics import SKIPPED_STEPS
+from analysis.reproduce.claims.base import Claim, ClaimRuns, Finding, select_runs, direction, share
+from analysis.words import INCONCLUSIVE
 
 __all__ = ["ARMS", "CLAIM", "L0", "LR", "QK", "evaluate", "lr_sensitivity", "per_seed_metric",
            "sensitivities"]
@@ -59,7 +61,7 @@ PAPER_SENS = ("qualitative (figures only): \"LR sensitivity measures the deviati
               "qk-layernorm lowers the LR sensitivity (Sec. 3.1.1, Fig. 1; their runs are bf16)")
 PAPER_FP16 = ("qualitative: the attention logits grow at high learning rates without qk-layernorm "
               "(Sec. 3.1.1; the paper runs bf16). That in fp16 (max 65504) the growth is an "
-              "overflow (skipped steps, a diverged run) is issue 22's reading, not the paper's")
+              f"overflow ({SKIPPED_STEPS.noun}, a diverged run) is issue 22's reading, not the paper's")
 
 
 def lr_sensitivity(losses: Mapping[float, float], l0: float) -> float:
@@ -179,13 +181,14 @@ def evaluate(runs: ClaimRuns) -> list[Finding]:
 
 CLAIM = Claim(
     name="wortsman2023",
+    order=5,  # issue 22, item 5
     title="Attention-logit growth at high learning rate and qk-layernorm, per loss scaler",
     source=("M. Wortsman, P. J. Liu, L. Xiao et al., \"Small-scale proxies for large-scale Transformer "
             "training instabilities\", ICLR 2024 (arXiv:2309.14322), Sec. 2.2 (LR sensitivity) and "
             "Sec. 3.1.1 (attention logit growth, qk-layernorm)"),
     claim=("Attention logits grow at high learning rates even in small Transformers and the final loss "
            "degrades; qk-layernorm removes the growth and lowers the LR sensitivity "
-           "E_η[min(ℓ(η), ℓ0) − min_η ℓ(η)]. In fp16 the growth shows as overflow: skipped steps."),
+           f"E_η[min(ℓ(η), ℓ0) − min_η ℓ(η)]. In fp16 the growth shows as overflow: {SKIPPED_STEPS.noun}."),
     deviations=(
         "1-layer, 2-head, width-32 character GPT (256 bytes, context 16) for 40 steps of batch 16, "
         "not GPT-2-style models of 1e7-1e9 parameters on C4 for 1e5 steps",

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from analysis.reproduce.claims import adaloss
-from analysis.reproduce.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns,
-                                  load_claim_runs)
+from analysis.reproduce.claims.base import ClaimRuns, load_claim_runs
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 from experiments.app.loop import run
 from experiments.app.train import CONF_DIR
 from tests.experiments.runs import cli, compose_cfg, compose_with_choices, read_rows

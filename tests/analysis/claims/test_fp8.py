@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 
 from analysis.reproduce.claims import CLAIMS
-from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.base import ClaimRuns, load_claim_runs
 from analysis.reproduce.claims.fp8 import CLAIM, MARGIN, ROLE_COLUMNS, evaluate
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 
 REPO = Path(__file__).resolve().parents[3]
 #: (precision, activation, weight, gradient) of each arm of conf/experiment/repro_fp8.yaml

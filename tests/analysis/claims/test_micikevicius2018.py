@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from analysis.reproduce.claims import CLAIMS
-from analysis.reproduce.claims.base import NOT_REPRODUCED, REPRODUCED, INCONCLUSIVE, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.base import ClaimRuns, load_claim_runs
 from analysis.reproduce.claims.micikevicius2018 import CLAIM, band, band_shares, evaluate, parity_margin
 from analysis.runset import RunSet
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 from experiments.workloads.models import CNN
 
 REPO = Path(__file__).resolve().parents[3]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from analysis.reproduce.claims import CLAIMS
-from analysis.reproduce.claims.base import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, VERDICTS,
-                                  load_claim_runs)
+from analysis.reproduce.claims.base import load_claim_runs
 from analysis.reproduce.claims.profiles import CLAIM
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, VERDICTS
 from tests.analysis.profile_synth import claim_runs
 from tests.experiments.runs import cli
 

@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 
 from analysis.reproduce.claims import CLAIMS
-from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.base import ClaimRuns, load_claim_runs
 from analysis.reproduce.claims.unit_scaling import CLAIM, MARGIN, evaluate
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 
 REPO = Path(__file__).resolve().parents[3]
 ARMS = [(False, "fp32", "none"), (False, "fp16", "none"), (False, "fp8_e5m2", "none"), (True, "fp32", "none"),

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from analysis.reproduce.claims import CLAIMS
-from analysis.reproduce.claims.base import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, ClaimRuns, load_claim_runs
+from analysis.reproduce.claims.base import ClaimRuns, load_claim_runs
 from analysis.reproduce.claims.wortsman2023 import (CLAIM, L0, LR, QK, evaluate, lr_sensitivity, per_seed_metric,
                                           sensitivities)
+from analysis.words import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 from experiments.app import recipe
 from experiments.workloads.data import CharData, step_generator
 from experiments.workloads.models import GPT

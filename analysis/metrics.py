@@ -1,0 +1,98 @@
+"""The metrics a comparison reads, each named once: column, label, unit, how sentences count it.
+
+Every table header, figure axis and title, verdict sentence and page of :mod:`analysis` that
+names a metric takes the name from its :class:`Metric` here (``tests/analysis/test_house.py``
+fails when a label or noun is written as a string anywhere else in ``analysis/``).
+
+**Direction**: lower is better for every metric (a paired difference ``strategy − baseline``
+below 0 favours the strategy; the ranking sorts ascending); a metric where higher is better
+enters as its complement (``fidelity_one_minus_cos_mean``, not the cosine).
+
+**Unit**: ``"fraction"`` is shown as a percentage (:func:`analysis.text.pct`), anything else as
+a number (:func:`analysis.text.fmt`) with the unit, where there is one, beside the label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ACT_ZERO_FRAC", "FINAL_EVAL_LOSS", "LOST_ENTRIES", "METRICS", "METRIC_BY_COLUMN",
+           "Metric", "ONE_MINUS_COS", "PRIMARY", "SKIPPED_STEPS", "STEPS_TO_TARGET",
+           "STRATEGY_OVERHEAD", "label", "metric"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A per-run metric compared across strategies (lower is better).
+
+    ``column`` of the ``runs`` table; ``label`` (tables, axes, the verdict's metric order);
+    ``description`` (the report's Method); ``unit`` (``"fraction"``, ``"steps"``, ``"nats"`` or
+    ``""`` for a count);
+    ``noun``: the words a sentence counts it in ("3 skipped steps per run"), the label unless
+    given. ``diverged_loses``: a diverged run counts as ``+inf`` in the rank statistics and the
+    pairing; ``inf_loses``: a completed run's ``+inf`` value (never reached) counts the same way.
+    Both are left out of means either way."""
+
+    column: str
+    label: str
+    description: str
+    unit: str = ""
+    noun: str = ""
+    diverged_loses: bool = False
+    inf_loses: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.noun:
+            object.__setattr__(self, "noun", self.label)
+
+    @property
+    def pct(self) -> bool:
+        """Whether values are fractions, shown as percentages."""
+        return self.unit == "fraction"
+
+
+FINAL_EVAL_LOSS = Metric(
+    "final_eval_loss", "final eval loss",
+    "validation loss at the end of training (primary metric)", unit="nats", diverged_loses=True)
+STEPS_TO_TARGET = Metric(
+    "steps_to_target", "time to target",
+    "first logged step whose training loss (loss_avg) is at or below the target: the fp32 "
+    "run's (same workload and seed) at its first logged step ≥ half its steps; never "
+    "reached = inf (loses its seed, left out of means)", unit="steps", diverged_loses=True,
+    inf_loses=True)
+SKIPPED_STEPS = Metric(
+    "skipped_steps", "skipped steps",
+    "optimizer steps skipped because of non-finite gradients")
+STRATEGY_OVERHEAD = Metric(
+    "strategy_overhead_frac", "strategy overhead",
+    "mean per-step time in the strategy's scale/unscale/update, as a fraction of the step",
+    unit="fraction")
+ACT_ZERO_FRAC = Metric(
+    "act_zero_frac_mean", "act-grad zero fraction",
+    "fraction of activation-gradient elements that are exactly zero (underflow plus "
+    "structural zeros such as ReLU), averaged over layers and logged steps", unit="fraction",
+    noun="activation-gradient zeros")
+LOST_ENTRIES = Metric(
+    "fidelity_lost_frac_mean", "lost gradient entries",
+    "fraction of gradient entries nonzero in fp32 but zero in mixed precision, mean over the "
+    "fidelity probes (train.fidelity_every)", unit="fraction")
+ONE_MINUS_COS = Metric(
+    "fidelity_one_minus_cos_mean", "1 - cosine to fp32",
+    "1 - cosine similarity of the unscaled mixed-precision gradient and the fp32 gradient, mean "
+    "over the fidelity probes")
+
+#: The metrics the report compares, primary first.
+METRICS: tuple[Metric, ...] = (FINAL_EVAL_LOSS, STEPS_TO_TARGET, SKIPPED_STEPS, STRATEGY_OVERHEAD,
+                               ACT_ZERO_FRAC, LOST_ENTRIES, ONE_MINUS_COS)
+PRIMARY = FINAL_EVAL_LOSS.column
+METRIC_BY_COLUMN = {m.column: m for m in METRICS}
+
+
+def metric(column: str) -> Metric:
+    """The :class:`Metric` of ``column``; an unknown column is its own label and description."""
+    return METRIC_BY_COLUMN.get(column, Metric(column, column, column))
+
+
+def label(column: str) -> str:
+    """The label of ``column`` (itself when it is not a metric's)."""
+    return metric(column).label
