@@ -31,6 +31,9 @@ import strategies
 from experiments.workloads import data as _data
 from experiments.app import loggers as _loggers
 from experiments.workloads import models as _models
+from experiments.workloads.heldout import HeldoutChars
+from experiments.workloads.pretrained import PretrainedGPT
+from experiments.workloads.rl_task import PolicyTask
 from experiments.workloads.precision import Precision
 from experiments.app.recipe import decay_groups
 
@@ -57,8 +60,8 @@ __all__ = [
 
 ALLOWED_TARGETS = (
     strategies.create,
-    _models.GPT, _models.MLP, _models.CNN,
-    _data.CharData, _data.TeacherVectors, _data.TemplateImages,
+    _models.GPT, _models.MLP, _models.CNN, PretrainedGPT,
+    _data.CharData, _data.TeacherVectors, _data.TemplateImages, HeldoutChars, PolicyTask,
     _loggers.WandbLogger,
 )
 """What a config may build, besides the optimizer classes of ``torch.optim``."""

@@ -133,14 +133,17 @@ class Recorder:
         self.emit({"kind": schema.KIND_FIDELITY, "step": step, **probed})
 
     def train_line(self, step: int, loss: torch.Tensor, skipped: bool, strategy: Any, own_stats: dict,
-                   hook_stats: dict, lr: float, step_time: float, strategy_time: float) -> dict:
-        """Write the train line of ``step`` (see the module docstring) and return it."""
+                   hook_stats: dict, lr: float, step_time: float, strategy_time: float,
+                   extra: dict | None = None) -> dict:
+        """Write the train line of ``step`` (see the module docstring; ``extra``: the workload's own
+        values, e.g. the rl workload's ``reward`` and ``kl_ref``) and return it."""
         loss_val, loss_avg = self.losses.read(loss)
         row: dict[str, Any] = {"kind": schema.KIND_TRAIN, "step": step}
         row.update(telemetry.flatten(telemetry.read(strategy), strategy.group_names, own_stats))
         row.update(loss=loss_val, loss_avg=loss_avg, skipped=skipped, skipped_total=self.counters["skipped_steps"])
         row.update(hook_stats)
         row.update(lr=lr, step_time_s=step_time, strategy_time_s=strategy_time)
+        row.update(extra or {})
         self.emit(row)
         return row
 
@@ -168,8 +171,11 @@ class Recorder:
     def summary(self, status: str, error: str | None) -> dict:
         """The summary of rank 0's record (every rank reads it from the shared file system)."""
         rows = records.read_metrics(self.metrics_path)
+        keep = self.resolved.get("model", {}).get("keep_fp32")
         return {"status": status, "error": error, **self.head, **records.summarize(rows, self.counters),
-                "diverged": status == "diverged", "fingerprint": self.fingerprint, "segments": self.segments}
+                "diverged": status == "diverged", "survived": status == "completed",
+                **({"keep_fp32": [str(k) for k in keep]} if keep else {}), "fingerprint": self.fingerprint,
+                "segments": self.segments}
 
     def finish(self, summary: dict, exit_code: int) -> None:
         """Rank 0: write the final ``summary.json`` and close the loggers with it."""

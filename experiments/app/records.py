@@ -257,6 +257,8 @@ def summarize(rows: list[dict], counters: dict) -> dict:
         "final_eval_loss": _finite_or_none(evals[-1]["eval_loss"]) if evals else None,
         "best_eval_loss": min(eval_losses) if eval_losses else None,
         "final_eval_metric": _finite_or_none(evals[-1].get("eval_metric")) if evals else None,
+        **({"final_reward": _finite_or_none(evals[-1]["eval_reward"])}
+           if evals and evals[-1].get("eval_reward") is not None else {}),
         "skipped_steps": int(counters.get("skipped_steps", 0)),
         "mean_step_time_s": mean_step,
         "strategy_overhead_s": overhead,

@@ -41,7 +41,8 @@ def tiny_for_model(option: str) -> str:
     return cfg["_target_"].rsplit(".", 1)[-1].lower()
 
 
-MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn"}
+MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn", "finetune_chars": "pretrainedgpt",
+                  "rl_vowels": "rl"}
 _RUN = RunInfo(run_dir=Path("/nonexistent"), run_id="test", config={}, group="g", job_type="j", name="n")
 
 
