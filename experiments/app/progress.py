@@ -11,7 +11,8 @@
   offset just past its own append, atomic on a local file system) and the ETA is the elapsed time per finished job times
   the jobs left (two workers finish jobs in parallel, so this already counts in the parallelism).
 
-A single run (no ``-m``) prints nothing here: it has its own progress bar (``train.progress``).
+A single run (no ``-m``) prints nothing here: it has its own progress bar on a terminal, plain lines
+in a log and one result line at its end (:mod:`experiments.app.log_lines`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import strategies.kernels as kernels
+from experiments.app.log_lines import clock, result_line
 from experiments.app.records import read_json
 from experiments.schema import SUMMARY_NAME
 from experiments.app.train import group_options
 
-__all__ = ["count_jobs", "clock", "job_line", "SweepProgress"]
+__all__ = ["count_jobs", "job_line", "SweepProgress"]
 
 START, DONE = "start.json", "done"
 
@@ -55,22 +57,11 @@ def count_jobs(params: dict[str, str], task: list[str]) -> int:
     return math.prod(sizes.values()) if sizes else 1
 
 
-def clock(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
 def job_line(done: int, total: int, elapsed: float, summary: dict[str, Any]) -> str:
     """The line printed when a job finishes (``summary``: its ``summary.json``, possibly empty)."""
-    who = " ".join(str(summary.get(k, "?")) for k in ("precision", "regime", "strategy"))
-    loss = summary.get("final_eval_loss")
-    loss_s = f"{loss:.4g}" if isinstance(loss, (int, float)) else "n/a"
-    reward = summary.get("final_reward")  # the rl workload's primary metric
-    reward_s = f"final reward {reward:.4g}, " if isinstance(reward, (int, float)) else ""
     width = len(str(total))
     eta = elapsed / done * max(total - done, 0) if done else float("nan")
-    return (f"[{done:>{width}}/{total}] {who} seed {summary.get('seed', '?')}: {summary.get('status', 'no record')}, "
-            f"{reward_s}final eval loss {loss_s}, {summary.get('skipped_steps', '?')} skipped | {clock(elapsed)}, "
+    return (f"[{done:>{width}}/{total}] {result_line(summary)} | {clock(elapsed)}, "
             f"ETA {clock(eta) if math.isfinite(eta) else '?'}")
 
 

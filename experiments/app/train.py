@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from experiments.app.build import AppError, one_line
 from experiments.app.config import RunConfig
 from experiments.app.config_safety import check_command_line, check_config
+from experiments.app.log_lines import result_line
 from experiments.app.loop import run
 from experiments.app.rundir import RunDir
 from hydra_plugins.scalelab_sweeper import covering
@@ -128,6 +129,8 @@ def _app(cfg: DictConfig) -> float | None:
             print(f"scalelab-train: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         raise  # a sweep: Hydra records this job as failed with the same one-line message
+    if hc.mode == RunMode.RUN and os.environ.get("RANK", "0") == "0":  # a sweep prints one line per job itself
+        print(f"scalelab-train: {result_line(summary)} -> {hc.runtime.output_dir}", file=sys.stderr, flush=True)
     return summary.get("final_eval_loss")
 
 

@@ -4,6 +4,7 @@ and W&B offline. Each Hydra subprocess costs a few seconds, so there are few of 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -145,3 +146,28 @@ def test_wandb_offline_run_directory_has_the_logged_keys(tmp_path: Path, monkeyp
     assert any(key.startswith("train/act_exp_hist") for key in logged)  # a wandb.Histogram
     assert run_info.run_group == "wbtest" and run_info.job_type == "native"
     assert "mlp" in run_info.tags and summary["status"] == "completed"
+
+
+def test_a_single_run_into_a_log_prints_its_progress_and_its_result(tmp_path: Path) -> None:
+    """stderr is a pipe here, as under nohup, SLURM or CI: no tqdm bar, but a plain line at each
+    tenth of the steps (on the logging steps) and one result line naming the run directory."""
+    done = cli(*TINY["mlp"], "logger=none", "threads=1", "train.steps=20", "train.log_every=2",
+               f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("scalelab-train: ")]
+    steps = [int(m.group(1)) for line in lines if (m := re.match(r"scalelab-train: step (\d+)/20, loss \S+, "
+                                                                   r"scale \S+, \d+ skipped \| \d+s$", line))]
+    assert steps == list(range(2, 21, 2))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    who = f"{summary['precision']} plain {summary['strategy']}"
+    assert lines[-1] == (f"scalelab-train: {who} seed 0: completed, final eval loss "
+                         f"{summary['final_eval_loss']:.4g}, 0 skipped -> {tmp_path}")
+
+
+def test_a_sweep_job_prints_no_lines_of_its_own(tmp_path: Path) -> None:
+    """In a sweep the per-job line of experiments.app.progress is the only line a job adds."""
+    done = cli("-m", *TINY["mlp"], "logger=none", "threads=1", "train.steps=4", "train.log_every=1", "seed=0,1",
+               f"hydra.sweep.dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    assert "scalelab-train: step " not in done.stderr and " -> " not in done.stderr
+    assert len(re.findall(r"^\[\d/2\] .* seed \d: completed", done.stderr, flags=re.M)) == 2

@@ -1,0 +1,64 @@
+"""What one run prints when its stderr is a log file, not a terminal (nohup, SLURM, CI).
+
+The tqdm bar of a single run (``train.progress``) shows only on a terminal; in a log it would be
+control characters or nothing. So a single run on the main rank whose stderr is not a terminal
+prints a plain line at each tenth of its steps (``step 120/400, loss 2.31, scale 6.55e+04, 0
+skipped | 1m02s``), and every single run ends with one result line (:func:`result_line`, the
+words of a sweep's per-job line). A sweep's jobs print neither: the sweep prints one line per
+finished job (:mod:`experiments.app.progress`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+__all__ = ["clock", "result_line", "single_run", "LogLines"]
+
+
+def clock(seconds: float) -> str:
+    """``seconds`` as ``1m02s`` (or ``7s``)."""
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def result_line(summary: dict[str, Any]) -> str:
+    """What a finished run reached, from its ``summary.json`` (possibly empty): who it was, its
+    status, the rl workload's final reward where there is one, final eval loss and skips."""
+    who = " ".join(str(summary.get(k, "?")) for k in ("precision", "regime", "strategy"))
+    loss = summary.get("final_eval_loss")
+    loss_s = f"{loss:.4g}" if isinstance(loss, (int, float)) else "n/a"
+    reward = summary.get("final_reward")  # the rl workload's primary metric
+    reward_s = f"final reward {reward:.4g}, " if isinstance(reward, (int, float)) else ""
+    return (f"{who} seed {summary.get('seed', '?')}: {summary.get('status', 'no record')}, "
+            f"{reward_s}final eval loss {loss_s}, {summary.get('skipped_steps', '?')} skipped")
+
+
+def single_run() -> bool:
+    """True outside a Hydra sweep (a single ``scalelab-train`` run, or the loop called directly)."""
+    return not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.RUN
+
+
+class LogLines:
+    """The plain progress lines of one run: on when ``enabled`` (the run's ``train.progress``, on
+    its main rank), stderr is not a terminal and this is not a sweep's job."""
+
+    def __init__(self, enabled: bool, steps: int, start_step: int) -> None:
+        self.on = enabled and not sys.stderr.isatty() and single_run()
+        self.steps, self.start = steps, time.monotonic()
+        self.tenth = math.floor(10 * start_step / steps) if steps else 10
+
+    def step(self, step: int, row: dict[str, Any]) -> None:
+        """After the train line of logging step ``step`` (``row``): a line if a new tenth is reached."""
+        tenth = math.floor(10 * step / self.steps) if self.steps else 10
+        if not self.on or tenth <= self.tenth:
+            return
+        self.tenth = tenth
+        print(f"scalelab-train: step {step}/{self.steps}, loss {row['loss']:.4g}, scale {row['scale']:.3g}, "
+              f"{row.get('skipped_total', 0)} skipped | {clock(time.monotonic() - self.start)}",
+              file=sys.stderr, flush=True)
