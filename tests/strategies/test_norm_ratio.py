@@ -255,9 +255,12 @@ def test_a_reference_forward_that_autocast_reenables_is_refused() -> None:
     assert s2.telemetry()["probe_count"].item() == 1
 
 
-def test_under_real_accelerate_the_unwrapped_model_gives_a_true_fp32_reference() -> None:
+def test_under_real_accelerate_fp32_forward_gives_a_true_fp32_reference_and_training_keeps_bf16() -> None:
+    """The probe's advice is followed as written: the reference reaches the forward beneath
+    accelerate's autocast wrapper, and the training forward still runs in bf16 afterwards
+    (accelerator.unwrap_model(..., keep_fp32_wrapper=False) strips the wrapper from the model itself)."""
     accelerate = pytest.importorskip("accelerate")
-    from strategies.reference import LowPrecisionReference
+    from strategies.reference import LowPrecisionReference, fp32_forward
 
     # On the CPU accelerate wraps forward in autocast for bf16 (its fp16 is GPU-only).
     accelerate.state.AcceleratorState._reset_state(True)
@@ -270,13 +273,20 @@ def test_under_real_accelerate_the_unwrapped_model_gives_a_true_fp32_reference()
     s = strategies.create("norm_ratio", init_scale=2.0**10, probe_interval=1)
     s.set_reference(lambda: F.mse_loss(model(x), y))
     s.scale(F.mse_loss(model(x), y)).backward()
-    with pytest.raises(LowPrecisionReference):
+    with pytest.raises(LowPrecisionReference, match="fp32_forward"):
         s.unscale_(opt.optimizer)
-    bare = acc.unwrap_model(model, keep_fp32_wrapper=False)
     opt.zero_grad()
+    reference = fp32_forward(model)
     s2 = strategies.create("norm_ratio", init_scale=2.0**10, probe_interval=1)
-    s2.set_reference(lambda: F.mse_loss(bare(x), y))
+    s2.set_reference(lambda: F.mse_loss(reference(x), y))
     s2.scale(F.mse_loss(model(x), y)).backward()
     s2.unscale_(opt.optimizer)
     assert s2.telemetry()["probe_count"].item() == 1
+    inner = []
+    handle = model[0].register_forward_hook(lambda mod, args, out: inner.append(out.dtype))
+    model(x)
+    with torch.autocast("cpu", enabled=False):
+        reference(x)
+    handle.remove()
+    assert inner == [torch.bfloat16, torch.float32]  # training still in bf16; the reference in fp32
     accelerate.state.AcceleratorState._reset_state(True)
