@@ -171,3 +171,21 @@ def test_a_sweep_job_prints_no_lines_of_its_own(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "scalelab-train: step " not in done.stderr and " -> " not in done.stderr
     assert len(re.findall(r"^\[\d/2\] .* seed \d: completed", done.stderr, flags=re.M)) == 2
+
+
+@pytest.mark.parametrize("rule", ["norm_ratio", "hybrid", "layerwise_adaloss"])
+def test_a_killed_run_of_a_rule_with_probe_or_group_state_resumes_bit_identical(tmp_path: Path, rule: str) -> None:
+    """Issue 29 saw a killed and resumed norm_ratio run part from its uninterrupted twin: the fp32
+    probe's counter (a probe every 4 steps: before and after the kill), the hybrid's calibration and
+    the per-group scales must all come back from the checkpoint."""
+    probe = ["strategy.probe_interval=4"] if rule != "layerwise_adaloss" else []
+    args = [f"strategy={rule}", *probe, *RESUME[len(TINY["mlp"]) + len(QUIET) + 4:]]  # RESUME without its scaler
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    run_tiny(ref_dir, "precision=fp16", *args)
+    killed = cli(*TINY["mlp"], *QUIET, "precision=fp16", *args, f"hydra.run.dir={run_dir}", "train.kill_at_step=13")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run_tiny(run_dir, "precision=fp16", *args)
+    train = [(r["step"], r["scale"], r["loss"]) for r in read_rows(run_dir) if r["kind"] == "train"]
+    assert train == [(r["step"], r["scale"], r["loss"]) for r in read_rows(ref_dir) if r["kind"] == "train"]
+    ref_params, params = _final_params(ref_dir), _final_params(run_dir)
+    assert all(torch.equal(ref_params[k], params[k]) for k in ref_params)
