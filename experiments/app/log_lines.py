@@ -29,7 +29,10 @@ def clock(seconds: float) -> str:
 
 def result_line(summary: dict[str, Any]) -> str:
     """What a finished run reached, from its ``summary.json`` (possibly empty): who it was, its
-    status, the rl workload's final reward where there is one, final eval loss and skips."""
+    status, the rl workload's final reward where there is one, final eval loss and skips; a job
+    refused before it wrote a record (``overrides`` and ``error`` only): its overrides and why."""
+    if "overrides" in summary:
+        return f"failed before training ({summary['overrides']}): {summary.get('error')}"
     who = " ".join(str(summary.get(k, "?")) for k in ("precision", "regime", "strategy"))
     loss = summary.get("final_eval_loss")
     loss_s = f"{loss:.4g}" if isinstance(loss, (int, float)) else "n/a"

@@ -87,6 +87,10 @@ class SweepProgress(Callback):
         folder = Path(str(hydra_cfg.hydra.sweep.dir)) / ".progress"
         start = read_json(folder / START)
         summary = read_json(Path(str(hydra_cfg.hydra.runtime.output_dir)) / SUMMARY_NAME)
+        if not summary and isinstance(getattr(job_return, "_return_value", None), BaseException):
+            # refused before it wrote a record (a bad value of the sweep): say why, and which job
+            summary = {"status": "failed", "error": str(job_return._return_value).splitlines()[0][:200],
+                       "overrides": " ".join(getattr(job_return, "overrides", None) or [])}
         try:
             fd = os.open(folder / DONE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:

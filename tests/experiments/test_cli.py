@@ -189,3 +189,11 @@ def test_a_killed_run_of_a_rule_with_probe_or_group_state_resumes_bit_identical(
     assert train == [(r["step"], r["scale"], r["loss"]) for r in read_rows(ref_dir) if r["kind"] == "train"]
     ref_params, params = _final_params(ref_dir), _final_params(run_dir)
     assert all(torch.equal(ref_params[k], params[k]) for k in ref_params)
+
+
+def test_a_sweep_job_refused_for_a_bad_value_says_why_and_the_others_complete(tmp_path: Path) -> None:
+    done = cli("-m", *TINY["mlp"], "logger=none", "threads=1", "train.steps=2", "strategy=native",
+               "strategy.growth_interval=3,0,5", f"hydra.sweep.dir={tmp_path}")
+    assert re.search(r"^\[\d/3\] failed before training \(.*strategy.growth_interval=0\): strategy: growth_interval "
+                     r"must be an integer >= 1, got 0", done.stderr, flags=re.M), done.stderr
+    assert [json.loads((tmp_path / k / "summary.json").read_text())["status"] for k in ("0", "2")] == ["completed"] * 2
