@@ -19,7 +19,7 @@ from experiments.workloads.block_linear import BlockLinears
 from experiments.workloads.models import GPT
 from experiments.workloads.precision import BoundaryHooks, Precision
 from strategies.block_recipes import MX, NVFP4, FP8Blockwise
-from strategies.blocks import quantize
+from strategies.blocks import block_stats, quantize
 from tests.experiments.runs import run_tiny
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "precision"
@@ -174,3 +174,33 @@ def test_the_fp32_reference_passes_see_no_cast() -> None:
         plain = model(x)
     hooks.remove()
     assert torch.equal(plain, model(x)) and not torch.equal(quantised, plain)
+
+
+def test_block_telemetry_counts_the_clipped_flushed_and_scale_exponents_of_a_case_built_to_clip() -> None:
+    """Rows of two 1 x 32 blocks, each block one max ``1.9 * 2^(r-8)`` and 31 elements of 1e-7: under
+    OCP FLOOR (E4M3, max_pow2 8) the scale is ``2^(r-16)``, the max scales to 486.4 > 448 (clipped, and
+    it would round to 480 > 464: a clip error), and 1e-7 / 2^(r-16) flushes to zero where it is below 2^-10."""
+    x = torch.full((16, 64), 1e-7)
+    x[:, 0] = x[:, 32] = 1.9 * torch.exp2(torch.arange(16.0) - 8)
+    stats = {}
+    for rounding in ("floor", "rceil"):
+        opts = {"elem": "e4m3", "block_size": 32, "scale_rounding": rounding, "rounding": "nearest"}
+        model, casts = one_linear(mode_cfg("mxfp8", keep=[], activation=opts))
+        casts.measuring = lambda: True
+        with torch.no_grad():  # the forward's casts only: activation and weight, row-wise
+            model(x)
+        stats[rounding] = casts.read()["0"]
+        casts.reset()
+        assert casts.read() == {}
+    act = stats["floor"]["activation"]
+    assert act["blocks"] == 32 and act["clipped_share"] == act["clip_error_share"] == 1.0
+    flushed = sum(62 for r in range(16) if 1e-7 / 2.0 ** (r - 16) < 2.0**-10) / (16 * 64)  # E4M3: below half of 2^-9
+    assert act["flushed_share"] == pytest.approx(flushed) and act["zero_scale_share"] == 0.0
+    assert act["scale_exp_hist"] == {"lo": -16, "counts": [2] * 16}
+    assert stats["rceil"]["activation"]["clipped_share"] == 0.0  # the scale rounded up: 2^(r-15)
+    assert stats["rceil"]["activation"]["scale_exp_hist"] == {"lo": -15, "counts": [2] * 16}
+    model, _ = one_linear(mode_cfg("mxfp8", keep=[]))
+    expected = block_stats(quantize(model[0].weight.detach(), MX()))
+    w = stats["floor"]["weight"]
+    assert w["blocks"] == 96 and w["clipped_share"] == pytest.approx(float(expected["clipped_share"]))
+    assert set(stats["floor"]) == {"activation", "weight"}  # no backward ran
