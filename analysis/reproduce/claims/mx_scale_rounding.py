@@ -103,8 +103,8 @@ CLAIM = Claim(
         "gradients, both block orientations) of training steps, pooled",
         "the same scale rounding in all three roles; the paper's recipe also fixes E4M3 for all tensors",
         "torch's GradScaler (native) scales the loss in every arm; block scales make it nearly irrelevant",
-        "CPU cost: 40 runs of about 5 s of CPU each (measured: one run, `time scalelab-train "
-        "+experiment=repro_mx_scale_rounding seed=0`: 5.1 s user), a few minutes with the parallel launcher",
+        "CPU cost: 40 runs, 190 s of CPU in all (`/usr/bin/time scalelab-reproduce --claims mx_scale_rounding`: "
+        "189.7 s user, children included; 11.5 min wall on 2 cores shared with other jobs)",
     ),
     evaluate=evaluate,
     sweeps=(_all_roles(scale_rounding="floor"), _all_roles(scale_rounding="rceil"),

@@ -72,7 +72,8 @@ CLAIM = Claim(
         "the BF16 layers are the LM head only (the paper keeps about the last 15% of the blocks' linear layers "
         "and never quantises the head); the ablation casts the head too",
         "the RHT signs are TE's fixed sign vector; the ablation drops it from both wgrad operands",
-        "CPU cost: 50 runs of about 5 s of CPU each, a few minutes with the parallel launcher",
+        "CPU cost: 50 runs, 209 s of CPU in all (`/usr/bin/time scalelab-reproduce --claims nvfp4_ablations`: "
+        "209.5 s user, children included; 13.5 min wall on 2 cores shared with other jobs)",
     ),
     evaluate=evaluate,
     sweeps=((), *(sweep for _, sweep in ABLATIONS.values())),
