@@ -3,6 +3,7 @@ plain Python on an operand built to clip, the verdict's words, and the RCEIL con
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -11,12 +12,14 @@ import torch
 import yaml
 from torch import nn
 
+from experiments.doctor.cli import main
 from experiments.doctor.diagnosis import doctor_precision
 from experiments.workloads.precision import Precision
 
 from strategies.block_recipes import MX, NVFP4
 from strategies.doctor import EXIT_CODES, diagnose
 from strategies.doctor.block_clip import measure_block_clipping
+from tests.experiments.runs import run_tiny
 
 
 def mx_clip_shares(t: torch.Tensor, elem_max: float, max_pow2: int, rounding: str) -> tuple[float, float]:
@@ -110,3 +113,15 @@ def test_the_app_diagnoses_a_block_run_in_its_autocast_dtype_with_its_row_wise_r
     name, blocks = doctor_precision(Precision.from_config(cfg))
     assert name == "bf16" and blocks == {"activation": MX(), "weight": MX(), "gradient": MX()}
     assert doctor_precision("fp16") == ("fp16", None)
+
+
+def test_scalelab_doctor_on_a_block_scaled_run_measures_its_recipe(tmp_path: Path, capsys) -> None:
+    """An MXFP4-FLOOR run directory: diagnosed in bf16 (the mode's autocast) with the recipe's clipping."""
+    fp4 = [f"precision.blocks.{r}.elem=e2m1" for r in ("activation", "weight", "gradient")]
+    run_tiny(tmp_path / "run", "precision=mxfp8", *fp4, "train.steps=2", "train.checkpoint_every=2",
+             "train.log_every=2", "train.eval_every=0", model="gpt")
+    code = main([str(tmp_path / "run"), "--json", "--no-strategies"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == EXIT_CODES["block_clipping"] and data["cause"] == "block_clipping" and data["precision"] == "bf16"
+    assert data["verdict"].startswith("FLOOR scale rounding clips ") and "precision.blocks." in data["fix"]
+    assert data["passes"] == {"forward": 3, "backward": 3}  # each: fp32, blocks, mixed
