@@ -16,7 +16,9 @@ Tables of a :class:`RunSet` (one row per …):
 * ``fidelity``     gradient-fidelity probe (cosine, rel_err, lost_frac against fp32);
 * ``layers``       (run, step, layer): ``act_zero_frac``, ``act_subnormal_frac``;
 * ``group_scales`` (run, step, scale group) for per-group strategies (``layerwise``);
-* ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram.
+* ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram;
+* ``blocks``       (run, step, layer, role) of a block-scaled run's casts (``block_stats``): ``blocks``
+  and the ``clipped_share``, ``clip_error_share``, ``flushed_share`` and ``zero_scale_share``.
 
 Bounds: the per-step tables of all runs together hold at most :data:`MAX_STEP_ROWS` rows (lines
 past it are not tabulated, and said). How one record's values are read, cut and counted, and
@@ -40,7 +42,7 @@ from analysis.records import (MAX_NAME, as_float, cell, classify, coerce_fields,
 from analysis.targets import COLUMN as TARGET_COLUMN
 from analysis.targets import steps_to_target
 
-__all__ = ["CHUNK_ROWS", "Builder", "DIAGNOSIS_COLUMNS", "EVAL_SCALARS", "FIDELITY_SCALARS",
+__all__ = ["BLOCK_COLUMNS", "CHUNK_ROWS", "Builder", "DIAGNOSIS_COLUMNS", "EVAL_SCALARS", "FIDELITY_SCALARS",
            "IDENTITY_KEYS", "ID_COLUMNS", "MAX_STEP_ROWS", "RunLoadError", "RunSet",
            "SUMMARY_COLUMNS", "TRAIN_SCALARS"]
 
@@ -62,6 +64,9 @@ TRAIN_SCALARS = tuple(k for k, f in TRAIN_FIELDS.items()
 EVAL_SCALARS = tuple(k for k, f in EVAL_FIELDS.items() if f.type in (int, float) and k != "step")
 FIDELITY_SCALARS = tuple(k for k, f in FIDELITY_FIELDS.items()
                          if f.type in (int, float, bool) and k != "step")
+
+#: The numbers of a ``block_stats`` entry (``experiments/schema.py``) the ``blocks`` table keeps.
+BLOCK_COLUMNS = ("blocks", "clipped_share", "clip_error_share", "flushed_share", "zero_scale_share")
 
 #: Identity columns copied onto every per-step table so each is usable on its own.
 ID_COLUMNS = ("run_id", "strategy", "precision", "workload", "seed", "status")
@@ -90,6 +95,7 @@ class RunSet:
     group_scales: pd.DataFrame
     exp_hist: pd.DataFrame
     problems: list[str] = field(default_factory=list)
+    blocks: pd.DataFrame = field(default_factory=pd.DataFrame)
     sources: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -110,7 +116,7 @@ class Builder:
     def __init__(self, max_rows: int | None = None) -> None:
         self.rows: dict[str, list[dict[str, Any]]] = {
             name: [] for name in ("runs", "train", "evals", "fidelity", "layers",
-                                  "group_scales", "exp_hist")}
+                                  "group_scales", "exp_hist", "blocks")}
         self.chunks: dict[str, list[pd.DataFrame]] = {name: [] for name in self.rows}
         self.problems: list[str] = []
         self.max_rows = MAX_STEP_ROWS if max_rows is None else max_rows
@@ -232,6 +238,7 @@ class Builder:
                 self._add_layers(ident, step, line, zero_fracs, sub_fracs)
                 self._add_group_scales(ident, step, line)
                 self._add_hist(ident, step, line.get("act_exp_hist"), bad)
+                self._add_blocks(ident, step, line.get("block_stats"), bad)
         return counts, zero_fracs, sub_fracs, last_eval, None
 
     def _add_layers(self, ident: dict[str, Any], step: int, line: Mapping[str, Any],
@@ -279,6 +286,22 @@ class Builder:
             self._append("exp_hist", dict(ident, step=step, exponent=None, count=0.0,
                                           zeros=zeros))
 
+    def _add_blocks(self, ident: dict[str, Any], step: int, stats: Mapping[str, Any] | None,
+                    bad: Counter) -> None:
+        if stats is None:
+            return
+        for layer, roles in stats.items():
+            if not isinstance(roles, Mapping):
+                bad["block_stats"] += 1
+                continue
+            for role, row in roles.items():
+                if not isinstance(row, Mapping):
+                    bad["block_stats"] += 1
+                    continue
+                self._append("blocks", dict(ident, step=step, layer=cut(str(layer), MAX_NAME),
+                                            role=cut(str(role), MAX_NAME),
+                                            **{k: as_float(row.get(k)) for k in BLOCK_COLUMNS}))
+
     def build(self, sources: Sequence[str]) -> RunSet:
         runs = pd.DataFrame(self.rows["runs"])
         if not runs.empty:
@@ -286,7 +309,7 @@ class Builder:
                                     na_position="last", key=_sort_key).reset_index(drop=True)
         order = {"train": ["step"], "evals": ["step"], "fidelity": ["step"],
                  "layers": ["step", "layer_order"], "group_scales": ["step", "group_order"],
-                 "exp_hist": ["step", "exponent"]}
+                 "exp_hist": ["step", "exponent"], "blocks": ["step", "layer", "role"]}
         tables = {name: _frame(self._table(name), ["run_id", *keys])
                   for name, keys in order.items()}
         if not runs.empty:

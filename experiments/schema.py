@@ -104,6 +104,9 @@ TRAIN_FIELDS = _fields(
     Field("act_zero_frac", "float_map", "per layer: fraction of the activation gradient exactly zero"),
     Field("act_subnormal_frac", "float_map", "per layer: fraction below the precision's smallest normal"),
     Field("act_exp_hist", "dict", '{"lo": int, "counts": [int], "zeros": int}: exponent histogram', optional=True),
+    Field("block_stats", "dict", "block-scaled modes: {layer: {role: {blocks, clipped_share, clip_error_share, "
+          "flushed_share, zero_scale_share, scale_exp_hist: {lo, counts}}}} of the Linears' casts this step",
+          optional=True),
     Field("lr", float, "learning rate"),
     Field("step_time_s", float, "wall time of the whole step"),
     Field("strategy_time_s", float, "wall time spent in the strategy, its boundary hooks included"),

@@ -145,6 +145,8 @@ class MX(Recipe):
     scale_rounding: str = hp("floor", v.choice(*SCALE_ROUNDINGS),
                              "OCP MX v1.0 section 6.3; torchao ScaleCalculationMode",
                              "how the E8M0 exponent is rounded: floor, ceil, even or rceil")
+    rounding: str = hp("nearest", v.choice("nearest", "stochastic"), "OCP MX v1.0 section 6.3 (nearest); "
+                       "arXiv 2506.08027 (stochastic for MXFP4 gradients)", "rounding of the values")
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,8 @@ class FP8Blockwise(Recipe):
                            "round the scale down to a power of two")
     amax_epsilon: float = hp(0.0, v.between(0.0, float("inf"), "[)"), "TE QParams.amax_epsilon",
                              "floor of amax in the scale")
+    rounding: str = hp("nearest", v.choice("nearest", "stochastic"), "TE (nearest; stochastic only in NVFP4)",
+                       "rounding of the values")
 
 
 @dataclass(frozen=True)

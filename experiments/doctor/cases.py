@@ -22,6 +22,9 @@ the format's range. The faults and where they come from:
 * ``underflow`` — the fp16 policy-gradient toy: REINFORCE's ``-A log pi(a|s)`` with advantages
   ``|A| ~ 1e-7`` (the small-gradient case of Micikevicius et al. 2018, as in fp16 RL
   fine-tuning), and a GPT under the ``tiny_grad`` regime's loss multiplier 1e-8.
+* ``block_clipping`` — the same MLP and GPT cast as MXFP4 (E2M1 values, OCP FLOOR scale rounding)
+  in every role: a block max with mantissa from 1.75 up saturates from 7 to 6 (ROCm/aiter PR 3212;
+  arXiv 2506.08027); the control, RCEIL rounding, clips nothing and is ``healthy``.
 * ``healthy`` — the same models with nothing planted, and the FFN-overflow GPT in bf16 (the
   control: bf16's range holds the T5-style output, so the doctor must not cry wolf).
 """
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.workloads.models import GPT, MLP
+from strategies.block_recipes import MX
 
 __all__ = ["SEEDS", "Case", "cases"]
 
@@ -233,11 +237,21 @@ def _healthy_cases(seed: int) -> list[Case]:
                    *_with_ce(_gpt(seed, 32, ffn_gain=1500.0))[:3], {"precision": "bf16"}))])
 
 
+def _block_cases(seed: int) -> list[Case]:
+    def mxfp4(made: tuple, rounding: str) -> tuple:
+        recipe = MX(elem="e2m1", scale_rounding=rounding)
+        return (*made[:3], {"precision": "bf16", "blocks": dict.fromkeys(("activation", "weight", "gradient"), recipe)})
+
+    return ([Case(f"mxfp4_floor/mlp32/s{seed}", "block_clipping", None, lambda: mxfp4(_with_ce(_mlp(seed, 32)), "floor")),
+             Case(f"mxfp4_floor/gpt32/s{seed}", "block_clipping", None, lambda: mxfp4(_with_ce(_gpt(seed, 32)), "floor")),
+             Case(f"mxfp4_rceil_control/mlp32/s{seed}", "healthy", None, lambda: mxfp4(_with_ce(_mlp(seed, 32)), "rceil"))])
+
+
 def cases(seeds: tuple[int, ...] = SEEDS) -> list[Case]:
     """Every labelled case, for every seed."""
     out: list[Case] = []
     for seed in seeds:
         for make in (_forward_cases, _nan_cases, _accumulated_cases, _lr_spike_cases, _gradient_cases,
-                     _underflow_cases, _healthy_cases):
+                     _underflow_cases, _healthy_cases, _block_cases):
             out += make(seed)
     return out

@@ -13,7 +13,7 @@ directory (the API can: call ``diagnose`` inside the loop before ``zero_grad``).
 Output: the verdict as text (``--json`` for tools). Exit status: the verdict's code
 (``strategies.doctor.EXIT_CODES``: 0 healthy, 1 scale overflow (benign), 3 forward overflow,
 4 NaN/Inf in data or loss, 5 gradients not cleared, 6 learning-rate spike, 7 gradient overflow,
-8 underflow) or 2 for a missing, foreign or corrupt run directory or a bad command line, with
+8 underflow, 9 block clipping) or 2 for a missing, foreign or corrupt run directory or a bad command line, with
 one line on stderr.
 """
 
@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.app import checkpoint as ckpt
 from experiments.app import recipe
 from experiments import schema
-from experiments.app.build import AppError, build_data, build_model, build_strategy, one_line
+from experiments.app.build import AppError, build_data, build_model, build_precision, build_strategy, one_line
+from experiments.doctor.diagnosis import doctor_precision
 from experiments.app.config import RunConfig
 from experiments.workloads.data import step_generator
 from experiments.app.rundir import RunDir
@@ -69,7 +70,10 @@ def load_run(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     if config is None:
         raise DoctorError(f"{path} records no configuration: it was not written by scalelab-train")
     cfg: DictConfig = OmegaConf.create(config)
-    precision = str(OmegaConf.select(cfg, "precision.name", default="?"))
+    try:
+        precision, blocks = doctor_precision(build_precision(cfg))
+    except (AppError, AttributeError, KeyError):
+        precision, blocks = str(OmegaConf.select(cfg, "precision.name", default="?")), None
     if precision not in DTYPES:
         raise DoctorError(f"the run trained in precision {precision!r}; the doctor diagnoses {', '.join(DTYPES)} runs")
     try:
@@ -94,6 +98,7 @@ def load_run(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         "scaler": scaler if scaler.is_enabled() else None,
         "scale": None if scaler.is_enabled() else 1.0,
         "precision": precision,
+        "blocks": blocks,
         "lr_history": [lr_for(s) for s in range(max(1, at - LR_WINDOW + 1), at + 1)],
         "step": at,
         "config": config,
@@ -107,7 +112,8 @@ def diagnose_dir(run_dir: Path, step: int | None = None, compare_strategies: boo
     run = load_run(run_dir, step)
     diagnosis = diagnose(run["model"], run["loss_fn"], run["batch"], precision=run["precision"],
                          scaler=run["scaler"], scale=run["scale"], lr_history=run["lr_history"],
-                         compare_strategies=compare_strategies, forward_strategies=forward_strategies)
+                         compare_strategies=compare_strategies, forward_strategies=forward_strategies,
+                         blocks=run["blocks"])
     return diagnosis, run
 
 

@@ -25,7 +25,7 @@ from experiments.schema import DIAGNOSIS_FIELDS, DIAGNOSIS_NAME
 from strategies.doctor import DTYPES, Diagnosis, diagnose
 from strategies.state import ScaleFloorError
 
-__all__ = ["DIAGNOSIS_NAME", "TRIGGERS", "LR_WINDOW", "annotate", "diagnose_run", "should_diagnose"]
+__all__ = ["DIAGNOSIS_NAME", "TRIGGERS", "LR_WINDOW", "annotate", "diagnose_run", "doctor_precision", "should_diagnose"]
 
 TRIGGERS = ("diverged", "stalled")
 LR_WINDOW = 20
@@ -57,6 +57,18 @@ def annotate(status: str, error: str | None, diag: Diagnosis | None) -> str | No
     return f"{error}; {verdict}" if error else verdict
 
 
+def doctor_precision(precision: Any) -> tuple[str, dict | None]:
+    """The doctor's ``precision`` and ``blocks`` for a run's precision (a name or a
+    :class:`experiments.workloads.precision.Precision`): a block-scaled mode is diagnosed in its
+    autocast dtype, with each role's row-wise recipe for the block-clipping measurement."""
+    name = str(getattr(precision, "name", precision))
+    spec = getattr(precision, "blocks", None)
+    if spec is None:
+        return name, None
+    autocast = {dtype: key for key, dtype in DTYPES.items()}.get(precision.autocast, name)
+    return autocast, dict(spec.rowwise)
+
+
 def _write(path: Path, record: dict[str, Any]) -> None:
     write_json_atomic(path, check(DIAGNOSIS_FIELDS, record))
 
@@ -86,7 +98,7 @@ def diagnose_run(
     if not should_diagnose(status, error) or not batch:
         return None
     path = Path(run_dir) / DIAGNOSIS_NAME
-    name = str(getattr(precision, "name", precision))
+    name, blocks = doctor_precision(precision)
     record: dict[str, Any] = {"status": status, "step": step}
     if name not in DTYPES:
         _write(path, {**record, "error": f"the doctor diagnoses {', '.join(DTYPES)} runs, not {name}"})
@@ -101,7 +113,7 @@ def diagnose_run(
         diagnosis = diagnose(
             model, lambda m, b: loss_fn(m(b["x"]), b["y"]) * b["m"], batch, precision=name,
             scaler=scaler if enabled else None, scale=None if enabled else 1.0,
-            lr_history=[lr_for(s) for s in range(max(1, step - LR_WINDOW + 1), step + 1)],
+            lr_history=[lr_for(s) for s in range(max(1, step - LR_WINDOW + 1), step + 1)], blocks=blocks,
         )
     except Exception as exc:  # noqa: BLE001 - the run's own result must survive a failing doctor
         _write(path, {**record, "error": one_line(f"{type(exc).__name__}: {exc}")[:500]})

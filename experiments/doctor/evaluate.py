@@ -157,7 +157,7 @@ def side_by_side(results: list[Result]) -> str:
         d = r.diagnosis
         where = f" at `{d.first_module}`" if d.first_module else ""
         doctor = f"**{d.cause}**{where}: {d.fix}"
-        overflow = not (d.cause in ("healthy", "underflow", "grads_not_cleared"))
+        overflow = not (d.cause in ("healthy", "underflow", "grads_not_cleared", "block_clipping"))
         scaler = GRADSCALER_SAYS if overflow else "nothing"
         ds = MIN_SCALE_LINE if r.min_scale else ("nothing (the scale backs off and recovers)" if overflow else "nothing")
         hf = f"first inf/nan output: `{r.hf_first}`" if r.hf_first else "nothing (no inf/nan in the forward)"

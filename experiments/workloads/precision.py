@@ -11,7 +11,15 @@ bf16       autocast bfloat16  bfloat16 (real)       3.3895e38   2^-126
 fp8_e4m3   autocast bfloat16  bf16 -> e4m3fn -> bf16 448         2^-6
 fp8_e5m2   autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
 fp8_hybrid autocast bfloat16  bf16 -> e5m2 -> bf16   57344       2^-14
+mxfp8      autocast bfloat16  bfloat16 (real)       3.3895e38   2^-126
+fp8_blockwise  (same)         bfloat16 (real)       3.3895e38   2^-126
+nvfp4          (same)         bfloat16 (real)       3.3895e38   2^-126
 ========== ================== ===================== =========== ===============
+
+The block-scaled modes (``mxfp8``, ``fp8_blockwise``, ``nvfp4``: ``precision.blocks``,
+:mod:`experiments.workloads.block_config`) quantise every ``nn.Linear``'s GEMM operands in the forward
+and the backward with block scales (:mod:`experiments.workloads.block_linear`); the activation
+gradients between layers stay bf16, so ``max`` / ``smallest_normal`` are bf16's.
 
 ``fp8_hybrid`` (TransformerEngine's ``Format.HYBRID``) also casts the forward: every ``nn.Linear``'s
 input and weight go through E4M3 (``forward_format``; :mod:`experiments.workloads.fp8_forward`), and the cast
@@ -51,6 +59,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from experiments.workloads.block_config import BlockSpec, parse_blocks
+from experiments.workloads.block_linear import BlockLinears
 from experiments.workloads.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
 from experiments.workloads.fp8_forward import FORWARD_ROLES, LinearCasts
 from strategies.boundaries import Boundaries, Trace
@@ -70,7 +80,8 @@ _DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-NAMES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
+BLOCK_NAMES = ("mxfp8", "fp8_blockwise", "nvfp4")
+NAMES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid", *BLOCK_NAMES)
 ROLES = (*FORWARD_ROLES, "gradient")
 FP8_CHECKS = {"cast_scaling": v.named(*CAST_SCALINGS), "rounding": v.named(*ROUNDINGS),
               "history_len": v.whole(1), "margin": v.whole(0)}
@@ -113,6 +124,7 @@ class Precision:
     forward_format: torch.dtype | None = None
     activation_scaling: str = "none"
     weight_scaling: str = "none"
+    blocks: BlockSpec | None = None
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Precision":
@@ -149,8 +161,13 @@ class Precision:
         if grad_format is None and (fp8["cast_scaling"] != "none" or fp8["rounding"] != "nearest"):
             raise ValueError(f"precision.cast_scaling and precision.rounding apply to the fp8 modes only, "
                              f"not to {name}")
+        if (name in BLOCK_NAMES) != (cfg.get("blocks") is not None):
+            raise ValueError(f"precision.blocks is required by {', '.join(BLOCK_NAMES)} and refused by the other modes, "
+                             f"got {'none' if cfg.get('blocks') is None else 'a blocks node'} for {name}")
+        blocks = parse_blocks(cfg["blocks"]) if name in BLOCK_NAMES else None
         return cls(name, autocast, grad_format, mx, sn, **fp8, forward_format=forward_format,
-                   activation_scaling=roles.get("activation", "none"), weight_scaling=roles.get("weight", "none"))
+                   activation_scaling=roles.get("activation", "none"), weight_scaling=roles.get("weight", "none"),
+                   blocks=blocks)
 
     def autocast_context(self, device: torch.device) -> contextlib.AbstractContextManager:
         """``torch.autocast(device.type, dtype)`` for low-precision modes; a null context for fp32."""
@@ -215,6 +232,9 @@ class BoundaryHooks:
             self.forward_casts = LinearCasts(model, precision.forward_format, {
                 "activation": precision.activation_scaling, "weight": precision.weight_scaling},
                 precision.history_len, precision.margin)
+        self.block_linears: BlockLinears | None = None
+        if precision.blocks is not None:
+            self.block_linears = BlockLinears(model, precision.blocks, seed, lambda: self.enabled and self.measure)
 
     def _observe(self, trace: Trace, i: int, g: torch.Tensor) -> None:
         self._record(self._name_of[id(trace.calls[i])], g)
@@ -235,6 +255,8 @@ class BoundaryHooks:
         self._stats.clear()
         self._hist = None
         self._hist_zeros = None
+        if self.block_linears is not None:
+            self.block_linears.reset()
 
     def read(self) -> dict:
         """``{"act_zero_frac": {layer: f}, "act_subnormal_frac": {layer: f}, "act_exp_hist": ...}``.
@@ -254,6 +276,8 @@ class BoundaryHooks:
                 "counts": self._hist.cpu().tolist(),
                 "zeros": int(self._hist_zeros.item()) if self._hist_zeros is not None else 0,
             }
+        if self.block_linears is not None and (blocks := self.block_linears.read()):
+            out["block_stats"] = blocks
         return out
 
     @contextlib.contextmanager
@@ -270,6 +294,8 @@ class BoundaryHooks:
     def remove(self) -> None:
         if self.forward_casts is not None:
             self.forward_casts.remove()
+        if self.block_linears is not None:
+            self.block_linears.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -48,16 +48,17 @@ recipe of Micikevicius et al. 2018.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from strategies.doctor.decide import DECISIONS, Decision, decide, decision_list
+from strategies.block_recipes import Recipe
+from strategies.doctor.decide import BLOCK_CLIP_THRESHOLD, DECISIONS, Decision, decide, decision_list
 from strategies.doctor.measure import DTYPES, LossFn, measure
 from strategies.doctor.verdict import CAUSES, EXIT_CODES, Diagnosis, LayerDamage
 from strategies.state import ScaleFloorError
 
-__all__ = ["CAUSES", "DECISIONS", "DEFAULT_SCALE", "DTYPES", "Decision", "Diagnosis", "EXIT_CODES", "LayerDamage",
+__all__ = ["BLOCK_CLIP_THRESHOLD", "CAUSES", "DECISIONS", "DEFAULT_SCALE", "DTYPES", "Decision", "Diagnosis", "EXIT_CODES", "LayerDamage",
            "LossFn", "decision_list", "diagnose"]
 
 if __doc__:  # the decision list is written once, as data (None under python -OO)
@@ -89,6 +90,8 @@ def diagnose(
     forward_strategies: bool = False,
     underflow_threshold: float = 0.01,
     device_type: str | None = None,
+    blocks: Mapping[str, Recipe] | None = None,
+    block_clip_threshold: float = BLOCK_CLIP_THRESHOLD,
 ) -> Diagnosis:
     """Diagnose one step of ``model`` on ``batch`` (see the module docstring for the method).
 
@@ -103,9 +106,16 @@ def diagnose(
         forward_strategies: also compare the strategies that hook the forward pass (``layerwise``,
             ``underflow_target``): one more forward+backward each.
         underflow_threshold: lost fraction of a layer's nonzero entries that counts as damage.
+        blocks: a block-scaled run's recipe per GEMM operand role (``activation``, ``weight``,
+            ``gradient``: :mod:`strategies.block_recipes`): measure how many blocks of every
+            Linear's operands it clips (:mod:`strategies.doctor.block_clip`; one fp32 pass more).
+        block_clip_threshold: share of one role's blocks in one layer whose max element the cast
+            changes by saturating that counts as damage.
     """
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+    if not 0.0 < block_clip_threshold < 1.0:
+        raise ValueError(f"block_clip_threshold must be in (0, 1), got {block_clip_threshold}")
     if not 0.0 < underflow_threshold < 1.0:
         raise ValueError(f"underflow_threshold must be in (0, 1), got {underflow_threshold}")
     S = _current_scale(scaler) if scaler is not None else float(scale if scale is not None else DEFAULT_SCALE)
@@ -115,5 +125,5 @@ def diagnose(
     if not params:
         raise ValueError("model has no parameter that requires grad")
     m = measure(model, loss_fn, batch, params, precision, S, device_type or params[0].device.type,
-                compare_strategies, strategy_names, forward_strategies)
-    return decide(m, model, params, lr_history, underflow_threshold)
+                compare_strategies, strategy_names, forward_strategies, blocks)
+    return decide(m, model, params, lr_history, underflow_threshold, block_clip_threshold)

@@ -9,22 +9,29 @@ the method and the sources of the doctor as a whole: :mod:`strategies.doctor`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from strategies.doctor.block_clip import BlockClip, recipe_label, scale_fix
 from strategies.doctor.measure import Measured
 from strategies.doctor.passes import backward_value, safe_scale
 from strategies.doctor.verdict import Diagnosis, LayerDamage, cos_text, pct
 
-__all__ = ["ACCUMULATED_RATIO", "ATTENTION_WORDS", "DECISIONS", "LR_SPIKE_RATIO", "Decision", "Facts", "decide",
+__all__ = ["ACCUMULATED_RATIO", "BLOCK_CLIP_THRESHOLD", "ATTENTION_WORDS", "DECISIONS", "LR_SPIKE_RATIO", "Decision", "Facts", "decide",
            "decision_list"]
 
 ACCUMULATED_RATIO = 2.0
 LR_SPIKE_RATIO = 2.0
 ATTENTION_WORDS = ("attn", "attention", "qk", "logit", "score")
+BLOCK_CLIP_THRESHOLD = 0.1
+"""Share of one role's blocks in one Linear whose max element a block-scaled cast changes by saturating,
+from which the doctor calls it damage: a choice of this project (no source gives one; AMD's ~37%
+of MXFP4 blocks, ROCm/aiter PR 3212, and MXFP8 FLOOR's ~19% expected for a log-uniform mantissa lie
+above it, a scale rounded up clips none)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,7 @@ class Facts:
     spike: tuple[float, str] | None  # (ratio, "largest" | "smallest"): see _lr_spike
     safe: float  # the largest scale at which no fp32 gradient leaves the range
     damaged: list[LayerDamage]  # the layers damaged by underflow at the current scale
+    clipping: list[BlockClip] = dataclasses.field(default_factory=list)  # above the threshold, worst first
 
     @property
     def overflow(self) -> bool:
@@ -201,6 +209,18 @@ def _underflow(f: Facts, diag: Diagnosis) -> None:
                     "or train in bf16")
 
 
+def _block_clipping(f: Facts, diag: Diagnosis) -> None:
+    worst = f.clipping[0]
+    diag.first_module, diag.tensor, diag.value = worst.layer, f"{worst.layer} {worst.role}", worst.clip_error_share
+    for c in f.clipping[:3]:
+        diag.evidence.append(f"{c.layer} {c.role}: {pct(c.clip_error_share)} of {c.blocks} blocks saturate their max "
+                             f"element to the format max ({pct(c.clipped_share)} saturate at all) under "
+                             f"{recipe_label(c.recipe)}")
+    diag.verdict = (f"{recipe_label(worst.recipe).split(' (')[0]} clips {pct(worst.clip_error_share)} of "
+                    f"{worst.role} blocks in {worst.layer}")
+    diag.fix = scale_fix(worst)
+
+
 def _healthy(f: Facts, diag: Diagnosis) -> None:
     diag.verdict = f"no overflow, no underflow damage above {pct(f.underflow_threshold)} at S={f.m.scale:g}"
     diag.fix = "nothing to fix for this step"
@@ -233,6 +253,10 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("underflow", lambda f: bool(f.damaged), _underflow,
              "some layer loses at least ``underflow_threshold`` (1%) of its nonzero\n"
              "gradient entries, or its cosine to fp32 is below 0.99;"),
+    Decision("block_clipping", lambda f: bool(f.clipping), _block_clipping,
+             "a block-scaled run (``blocks``): some Linear's operand in some role has at\n"
+             "least ``block_clip_threshold`` (10%) of its blocks' max elements changed by saturation (MX\n"
+             "FLOOR scale rounding: arXiv 2506.08027, ROCm/aiter PR 3212);"),
     Decision("healthy", lambda f: True, _healthy, "none of the above."),
 )
 """The decision list, in order: the first decision that holds names the cause (one per cause of
@@ -247,14 +271,17 @@ def decision_list() -> str:
 
 
 def decide(m: Measured, model: torch.nn.Module, params: list[torch.nn.Parameter],
-           lr_history: Sequence[float] | None, underflow_threshold: float) -> Diagnosis:
+           lr_history: Sequence[float] | None, underflow_threshold: float,
+           block_clip_threshold: float = BLOCK_CLIP_THRESHOLD) -> Diagnosis:
     """The cause of the first decision of :data:`DECISIONS` that holds for the measured step ``m``."""
     S = m.scale
     facts = Facts(m, model, params, lr_history, underflow_threshold,
                   spike=_lr_spike(lr_history, not m.fwd_finite or (not m.grads_finite and not m.at_one_finite)),
                   safe=safe_scale(m.fmax, m.ref_rec, m.ref),
                   damaged=[d for d in m.per_layer
-                           if d.scale == S and (d.lost_frac >= underflow_threshold or d.cosine < 0.99)])
+                           if d.scale == S and (d.lost_frac >= underflow_threshold or d.cosine < 0.99)],
+                  clipping=sorted((c for c in m.block_clips if c.clip_error_share >= block_clip_threshold),
+                                  key=lambda c: -c.clip_error_share))
     decision = next(d for d in DECISIONS if d.holds(facts))
     diag = Diagnosis(cause=decision.cause, verdict="", fix="", precision=m.precision, scale=S, per_layer=m.per_layer,
                      strategy_scales=m.chosen, not_compared=m.skipped, passes=m.passes)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 import strategies
+from strategies.block_recipes import Recipe
+from strategies.doctor.block_clip import BlockClip, measure_block_clipping
 from strategies.doctor.compare import strategy_scales
 from strategies.doctor.passes import Record, first_backward, hooks, safe_scale
 from strategies.doctor.verdict import LayerDamage
@@ -67,6 +69,7 @@ class Measured:
     chosen: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    block_clips: list[BlockClip] = field(default_factory=list)  # with blocks: strategies.doctor.block_clip
 
 
 @dataclass
@@ -213,8 +216,10 @@ def _compare(step: _Step, m: Measured, loss: torch.Tensor, rng: RngState, names:
 
 def measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[torch.nn.Parameter],
             precision: str, S: float, dev: str, compare_strategies: bool,
-            strategy_names: Sequence[str] | None, forward_strategies: bool) -> Measured:
-    """The fp32 pass, then the mixed pass (module docstring), with the model left as it was."""
+            strategy_names: Sequence[str] | None, forward_strategies: bool,
+            blocks: Mapping[str, Recipe] | None = None) -> Measured:
+    """The fp32 pass, then the mixed pass (module docstring), with the model left as it was; with
+    ``blocks`` (role -> recipe) one more fp32 forward and backward measures the block clipping."""
     names, index = _layer_index(model, params)
     prior_norm = _norm([p.grad for p in params])
     m = Measured(precision, S, float(torch.finfo(DTYPES[precision]).max), _bad_inputs(model, batch), prior_norm)
@@ -224,6 +229,11 @@ def measure(model: torch.nn.Module, loss_fn: LossFn, batch: Any, params: list[to
         rng = capture_rng(device)
         _fp32_pass(step, m)
         restore_rng(rng, device)
+        if blocks and m.fp32_finite:
+            m.block_clips = measure_block_clipping(model, loss_fn, batch, blocks, dev)
+            m.passes["forward"] += 1
+            m.passes["backward"] += 1
+            restore_rng(rng, device)
         with hooks(model, m.rec, dev), torch.enable_grad():  # mixed: the same graph for every backward
             loss = _mixed_forward(step, m)
             if m.fwd_finite:

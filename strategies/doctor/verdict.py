@@ -20,6 +20,7 @@ CAUSES = (
     "lr_spike",
     "gradient_overflow",
     "underflow",
+    "block_clipping",
 )
 """Every verdict class, in the order of their exit codes."""
 
@@ -33,6 +34,7 @@ EXIT_CODES = {
     "lr_spike": 6,
     "gradient_overflow": 7,
     "underflow": 8,
+    "block_clipping": 9,
 }
 """Exit code of ``scalelab-doctor`` per cause (2: the run directory or the command line is bad)."""
 

@@ -76,7 +76,7 @@ def test_the_decision_list_is_data_one_decision_per_cause_rendered_once() -> Non
     assert DECISIONS[-1].cause == "healthy" and DECISIONS[-1].holds(None)  # type: ignore[arg-type]
     rendered = decision_list()
     assert rendered.startswith("1. ``nan_in_data_or_loss`` — ")
-    assert rendered.endswith("8. ``healthy`` — none of the above.")
+    assert rendered.endswith("9. ``healthy`` — none of the above.")
     assert rendered in (strategies.doctor.__doc__ or rendered)
 
 

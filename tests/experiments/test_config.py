@@ -53,7 +53,8 @@ def _cases() -> list[tuple[str, str]]:
 def test_every_group_has_its_options() -> None:
     assert {"gpt", "mlp", "cnn"} <= set(group_options("model"))
     assert {"stdlib_chars", "vectors", "images"} <= set(group_options("data"))
-    assert set(group_options("precision")) == {"fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid"}
+    assert set(group_options("precision")) == {"fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid", "mxfp8",
+                                              "fp8_blockwise", "nvfp4"}
     assert {"none", "native"} <= set(group_options("strategy"))
     assert {"plain", "small_grad"} <= set(group_options("regime"))
     assert set(group_options("logger")) == {"wandb", "none"}

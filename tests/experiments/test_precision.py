@@ -115,7 +115,7 @@ def test_hooks_measure_only_when_asked() -> None:
 
 
 def test_precision_config_validation() -> None:
-    with pytest.raises(ValueError, match=r"precision.name must be one of fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid, got 'fp4'"):
+    with pytest.raises(ValueError, match=r"precision.name must be one of fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid, mxfp8, fp8_blockwise, nvfp4, got 'fp4'"):
         Precision.from_config({"name": "fp4", "autocast": None, "max": 1.0, "smallest_normal": 0.5})
     with pytest.raises(ValueError, match=r"precision.grad_format must be float8_e4m3fn, float8_e5m2 or null"):
         Precision.from_config({"name": "fp16", "autocast": "float16", "grad_format": "float16", "max": 2.0, "smallest_normal": 1.0})
