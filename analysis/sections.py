@@ -27,7 +27,7 @@ from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci, fmt_p, human, pct
 from analysis.verdict import cell_verdict, overall_verdict, phrase
 from analysis.when import CROSS_CAPTION, cross_rows, cross_verdict, order_text, table_rows
-from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE, TOO_FEW
+from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE, TIE, TOO_FEW
 
 __all__ = ["Comparison", "PAIRED_CAPTION", "Verdicts", "bench_section", "comparison_sections",
            "diagnosis_section", "figures_section", "method_section", "ranking_section",
@@ -89,7 +89,9 @@ def verdict_section(doc: Document, c: Comparison, v: Verdicts) -> None:
             "Which strategy when (which_strategy_when.csv). The verdict reads the metrics in "
             f"this order: {order_text()}. Best = the strategy read *{CLEARLY_BETTER}* than "
             f"`{BASELINE}` (paired by seed) on the earliest of them for which any strategy is, "
-            f"the largest mean paired gain among several; one read *{CLEARLY_WORSE}* on an "
+            f"the largest mean paired gain among several (a {TIE} where several share it exactly); "
+            f"{STRATEGY_OVERHEAD.label} is wall-clock time and never decides; one read "
+            f"*{CLEARLY_WORSE}* on an "
             f"earlier metric is not counted. No best where none is {CLEARLY_BETTER}: the row "
             "then says what the paired readings say. Δ = strategy − baseline per seed, mean "
             "[95% CI]; against fp32 it is the final-eval-loss gap to the fp32 run of the same "

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis.metrics import FINAL_EVAL_LOSS
 from analysis.paired import holm, paired_stats, reading
 from analysis.stats import bootstrap_ci, clopper_pearson
 from analysis.text import code, fmt_ci
@@ -67,7 +68,7 @@ class Primary:
 
 #: The primary metric of each court workload (the regime name of its runs).
 PRIMARY_OF = {"rl": Primary("final_reward", "final reward", higher=True),
-              "finetune": Primary("final_eval_loss", "final eval loss", higher=False)}
+              "finetune": Primary(FINAL_EVAL_LOSS.column, FINAL_EVAL_LOSS.label, higher=False)}
 
 #: The fp16 strategy options of the court, in ``conf/experiment/court.yaml``'s order.
 COURT_STRATEGIES = ("native", "verl", "areal", "oat", "megatron", "static8", "min_scale_1e-10",
