@@ -133,6 +133,12 @@ def _board(s_low: pd.DataFrame, tier1: pd.DataFrame) -> pd.DataFrame:
                              na_position="last").reset_index(drop=True)
 
 
+def _shown(r: pd.Series) -> tuple[object, ...]:
+    """The health criteria of one board row as the verdict writes them: rows that read the same
+    are a tie (digits below the page's are noise a re-run need not repeat)."""
+    return (r["diverged"], r["top"], fmt(r["skipped"]), pct(r["zeros"]))
+
+
 def _nanmean(col: pd.Series) -> float:
     v = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
     v = v[np.isfinite(v)]
@@ -148,7 +154,7 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     (over the reduced-precision workload×precision cells); fewest skipped steps; smallest
     activation-gradient zero fraction (the underflow loss scaling exists to prevent). Cost: the
     strategy's share of step time — shown, never a criterion (wall-clock time moves with machine
-    load, issue 30). Strategies equal on every criterion tie: the paragraph names them all,
+    load, issue 30). Strategies that read the same on every criterion (as written) tie: the paragraph names them all,
     never the first in some order. When no strategy beat ``native`` on final eval loss in any
     cell (the interval of P(lower loss) above 0.5), the paragraph opens by saying so — the pick
     is then made by the secondary criteria among strategies the seeds cannot separate."""
@@ -161,8 +167,7 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     s_low = summary[summary["precision"] != REFERENCE_PRECISION]
     board = _board(s_low, tier1)
     best = board.iloc[0]
-    same = board[(board[_HEALTH].eq(best[_HEALTH]) | (board[_HEALTH].isna()
-                                                     & best[_HEALTH].isna())).all(axis=1)]
+    same = board[[_shown(r) == _shown(best) for _, r in board.iterrows()]]
 
     winners: list[str] = []
     comparable = False

@@ -11,9 +11,9 @@ time, which machine load moves between runs of the same code: it never decides, 
 **Best** = among the strategies whose paired reading against ``native``
 (:func:`analysis.paired.reading`, in ``comparisons.csv``) is *clearly better* on the earliest
 metric in that order for which any strategy has one, the one with the lowest mean paired
-difference — and where several share that lowest difference exactly (the same paired effect,
-e.g. two rules that chose the same scales), none is called best: the row reads **tie** and names
-them all (``tied``), whatever their order. The order is lexicographic: a strategy read *clearly
+difference — and where several share it as the page shows it (the same paired Δ and interval
+to 3 significant digits, e.g. two rules that chose the same scales), none is called best: the
+row reads **tie** and names them all (``tied``), whatever their order. The order is lexicographic: a strategy read *clearly
 worse* than ``native`` on an earlier metric is not called best on a later one. When no strategy is
 clearly better on any metric, none is called best and the row says what the paired readings say:
 
@@ -31,7 +31,6 @@ at fp32 have no row. Readings are written in their exact words (:mod:`analysis.w
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from analysis.metrics import (FINAL_EVAL_LOSS, LOST_ENTRIES, ONE_MINUS_COS, PRIMARY,
@@ -97,7 +96,7 @@ def _cell(strategies: list[str], comps: pd.DataFrame) -> dict[str, object]:
         names = ", ".join(code(s) for s in _tied(cand))
         out = _shown(cand.iloc[0].strategy, cand.iloc[0], ref, metric, _before(metric)
                      + f"{TIE}: {names} are {CLEARLY_BETTER} than `{BASELINE}` on {label(metric)} "
-                     f"with exactly the same paired gain ({_delta(cand.iloc[0])}){dropped}")
+                     f"with the same paired gain ({_delta(cand.iloc[0])}){dropped}")
         out["tied"] = ", ".join(_tied(cand))
         return out
     if metric is not None:
@@ -196,12 +195,15 @@ def _earliest(native: pd.DataFrame, wanted: str) -> tuple[str | None, pd.DataFra
 
 
 def _tied(cand: pd.DataFrame) -> list[str]:
-    """The strategies sharing the lowest paired difference of ``cand`` exactly (to 1e-12 of it,
-    interval included): more than one is a tie, never a pick by name."""
-    top = cand.iloc[0]
-    same = [np.isclose(cand[c], top[c], rtol=1e-12, atol=0.0) | (cand[c].isna() & pd.isna(top[c]))
-            for c in ("paired_diff", "paired_diff_lo", "paired_diff_hi")]
-    return sorted(cand.loc[same[0] & same[1] & same[2], "strategy"])
+    """The strategies whose paired Δ and interval read the same as the top one's where the page
+    shows them (:func:`analysis.text.fmt`, 3 significant digits): more than one is a tie — a
+    pick among them would follow their order or digits below what a deterministic re-run
+    repeats (issue 30), never the data."""
+    def shown(r: pd.Series) -> tuple[str, ...]:
+        return tuple(fmt(r[c]) for c in ("paired_diff", "paired_diff_lo", "paired_diff_hi"))
+
+    top = shown(cand.iloc[0])
+    return sorted(r.strategy for _, r in cand.iterrows() if shown(r) == top)
 
 
 def _before(metric: str) -> str:

@@ -39,6 +39,16 @@ def test_an_exact_tie_for_best_reads_tie_in_either_order() -> None:
         assert rows[0][2] == f"{TIE}: `amax_history`, `underflow_target`"
 
 
+def test_a_tie_below_the_digits_shown_is_a_tie() -> None:
+    """amax_history and underflow_target on tiny_grad: final losses equal to 1e-5 (a re-run on
+    the same commit need not repeat those digits), the same Δ and interval on the page."""
+    comps = pd.concat([_comps(["amax_history"], diff=-0.769004),
+                       _comps(["underflow_target"], diff=-0.769001)])
+    for order in (comps, comps.iloc[::-1]):
+        row = which_strategy_when(RUNS, order).iloc[0]
+        assert row["best_strategy"] == "" and row["tied"] == "amax_history, underflow_target"
+
+
 def test_a_larger_gain_is_still_named_best() -> None:
     comps = pd.concat([_comps(["amax_history"]), _comps(["underflow_target"], diff=-0.5)])
     row = which_strategy_when(RUNS, comps).iloc[0]
@@ -86,5 +96,10 @@ def test_the_overall_verdict_reads_an_exact_tie_as_a_tie_and_ignores_overhead() 
     text = texts.pop()
     assert f"{TIE}: `amax_history`, `underflow_target` kept training equally healthy" in text
     assert "healthiest" not in text
+    summary, ranks = _board(list(over), over)
+    summary.loc[1, "act_zero_frac_mean_mean"] += 1e-7  # below the 0.1% the verdict writes
+    assert f"{TIE}: `amax_history`, `underflow_target`" in overall_verdict(summary, ranks)
+    summary.loc[1, "act_zero_frac_mean_mean"] += 0.01
+    assert "`amax_history` kept training healthiest" in overall_verdict(summary, ranks)
     over = {"amax_history": 0.30, "underflow_target": np.nan}
     assert f"{TIE}: `amax_history`, `underflow_target`" in overall_verdict(*_board(list(over), over))
