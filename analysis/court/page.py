@@ -46,7 +46,7 @@ def _columns(p: Primary) -> list[str]:
     better = "higher" if p.higher else "lower"
     return ["cell", "survived: P(run survives) [95% CI]", f"{p.label} ({better} is better), "
             "mean [95% CI]", f"Δ {p.label} vs GradScaler (`{BASE_CELL}`)",
-            f"Δ {p.label} vs `{REF_CELL}`", f"Δ {LOST_ENTRIES.label} vs GradScaler",
+            f"Δ {p.label} vs `{REF_CELL}`", f"Δ {LOST_ENTRIES.label} vs GradScaler (fraction)",
             f"{SKIPPED_STEPS.label} per run", "reading vs GradScaler"]
 
 

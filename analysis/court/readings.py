@@ -270,7 +270,7 @@ def format_row(r: dict[str, object], primary: Primary) -> list[str]:
             "reference" if r["cell"] == REF_CELL else fmt_ci(g("d_fp32"), g("d_fp32_lo"),
                                                              g("d_fp32_hi")),
             "baseline" if r["cell"] == BASE_CELL else fmt_ci(g("d_lost"), g("d_lost_lo"),
-                                                             g("d_lost_hi"), pct_=True),
+                                                             g("d_lost_hi")),
             fmt_ci(g("skips"), g("skips_lo"), g("skips_hi")),
             str(r.get("reading") or "–") if r["cell"] != BASE_CELL else "baseline"]
 

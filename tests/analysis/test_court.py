@@ -119,7 +119,7 @@ def test_the_numbers_match_plain_restatements(tmp_path: Path) -> None:
     written = _court(root, {"areal": 0.05})
     _run(root, "rl", "static8", 0, 0.1, status="diverged")
     for s in SEEDS[1:]:
-        _run(root, "rl", "static8", s, written["native"][s] + 0.01, skipped=3)
+        _run(root, "rl", "static8", s, written["native"][s] + 0.01, skipped=3, lost=0.3)
     rows = court_rows(court_cells(load_runs([root]).runs, "rl"), PRIMARY_OF["rl"])
     rows = rows.set_index("cell")
     d = np.array(written["areal"]) - np.array(written["native"])
@@ -133,6 +133,7 @@ def test_the_numbers_match_plain_restatements(tmp_path: Path) -> None:
     # the diverged seed is out of the mean Δ (5 pairs' mean), but counts in the pairing
     assert rows.loc["static8", "d_native"] == pytest.approx(0.01, abs=1e-9)
     assert rows.loc["static8", "native_n_pairs"] == 6 and rows.loc["static8", "skips"] == 3
+    assert rows.loc["static8", "d_lost"] == pytest.approx(0.2)  # 0.3 - native's 0.1, 5 seeds
     assert rows.loc["fp32", "d_native"] == pytest.approx(0.0, abs=0.01)
 
 
