@@ -24,6 +24,7 @@ from analysis.court.readings import (COURT_CELLS, COURT_STRATEGIES, PRIMARY_OF, 
                                      court_cells, court_rows, recommend)
 from analysis.load import load_runs
 from experiments.schema import SUMMARY_FIELDS, SUMMARY_NAME
+from tests.experiments.runs import TINY, cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = range(6)
@@ -187,3 +188,21 @@ def test_make_court_runs_every_sweep_then_writes_the_page_the_same_way(quick: bo
     assert "for wl in rl finetune" in out and "+experiment=court_$wl" in trains[0]
     page = f"python -m analysis.court {sweep} --page docs/court.md"
     assert page + (" --quick" if quick else "") in out and ("--quick" in out) == quick
+
+
+@pytest.mark.slow
+def test_the_page_of_a_tiny_real_court(tmp_path: Path) -> None:
+    """End to end: court_rl's sweeps (two fp16 cells and fp32, 3 seeds, 4 steps of a tiny
+    pretrained policy) through ``scalelab-train``, then the page's command on them."""
+    sweep = tmp_path / "court"
+    tiny = [*TINY["rl"], "train.steps=4", "train.lr_warmup=1", "train.eval_every=4",
+            "train.fidelity_every=2", "train.log_every=2", "seed=0,1,2", "hydra/launcher=basic",
+            f"hydra.sweep.dir={sweep}"]
+    for cells in (["strategy=native,areal"], ["precision=fp32", "strategy=none"]):
+        proc = cli("-m", "+experiment=court_rl", *cells, *tiny, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    text = _page(tmp_path, sweep, "--quick")
+    for cell in ("native", "areal", "fp32"):
+        assert re.search(rf"\| `{re.escape(cell)}` \| 3/3: 1.00 \[0.29, 1.00\] \|", text), cell
+    assert "No runs of `finetune`" in text and "`verl`" in re.search(r"No runs: (.*)", text)[1]
+    assert _verdict(text).startswith(("recommended: `", "tie: `"))  # 2 cells of 3 seeds each
