@@ -20,7 +20,7 @@ from matplotlib.patches import Patch
 from analysis.figures.common import REFERENCE_PRECISION, Figure, slug, subplots
 from analysis.metrics import FINAL_EVAL_LOSS, LOST_ENTRIES, Metric
 from analysis.tables import BASELINE
-from analysis.text import fmt, pct
+from analysis.text import fmt
 from analysis.words import (CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE, NOT_COMPARABLE, TIE,
                             TOO_FEW)
 
@@ -40,6 +40,12 @@ def kind_of(reading: str) -> int:
     return 3
 
 
+def _pct(v: float) -> str:
+    """A fraction as a percentage to 3 significant digits (``0.000373%``, not ``0.00%``: a
+    cell read clearly worse by a few entries in a million must not show zero)."""
+    return "0%" if v == 0 else f"{100 * v:.3g}%"
+
+
 def _grid(comps: pd.DataFrame, m: Metric, strategies: list[str], cols: list[tuple[str, str]]
           ) -> tuple[np.ndarray, list[list[str]]]:
     kinds = np.zeros((len(strategies), len(cols)), dtype=int)
@@ -54,7 +60,7 @@ def _grid(comps: pd.DataFrame, m: Metric, strategies: list[str], cols: list[tupl
                 r = r.iloc[0] if isinstance(r, pd.DataFrame) else r
                 kinds[i, j] = kind_of(str(r["reading"]))
                 d = r["paired_diff"]
-                text[i][j] = "–" if not np.isfinite(d) else pct(d, 2) if m.pct else fmt(d)
+                text[i][j] = "–" if not np.isfinite(d) else _pct(d) if m.pct else fmt(d)
     return kinds, text
 
 

@@ -98,3 +98,12 @@ def test_the_report_opens_with_the_overview(sweep, tmp_path: Path) -> None:
     md = (tmp_path / "rep" / "report.md").read_text()
     assert md.index("![overview](figures/overview.png)") < md.index("## Verdict")
     assert (tmp_path / "rep" / "figures" / "overview.png").stat().st_size > 0
+
+
+def test_a_tiny_fraction_never_shows_as_zero() -> None:
+    comps = pd.DataFrame([dict(workload="m/d/a", precision="fp16", strategy="x",
+                               baseline="native", metric="fidelity_lost_frac_mean",
+                               reading=CLEARLY_WORSE, paired_diff=3.73e-6)])
+    with figure_rc():
+        f = overview_figure(comps)
+    assert "0.000373%" in {t.get_text() for t in f.fig.axes[0].texts}
