@@ -15,9 +15,14 @@ PAGE       ?= docs/findings.md
 TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
 QUICK      ?=
+IS_QUICK   := $(filter 1 yes true,$(QUICK))
+# The court (conf/experiment/court.yaml): QUICK=1 is its 5-minute pass (3 seeds, 400 steps)
+COURT_QUICK_ARGS := seed=0,1,2 train.steps=400 train.lr_warmup=20 train.eval_every=200 train.checkpoint_every=200
+COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
+COURT_PAGE ?= docs/court.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress report reproduce bench doctor-eval clean
+.PHONY: help setup test test-all compare compare-full stress court report reproduce bench doctor-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,11 +53,20 @@ compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps):
 stress: setup ## The synthetic stress comparison (loss x1e-8, x1e4 spikes; the default until issue 30): runs/stress
 	$(MAKE) compare EXPERIMENT=stress OUT=runs/stress REPORT=reports/stress PAGE=reports/stress/findings.md FP8_SWEEP=regime=plain
 
+court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on rl and finetune, writes docs/court.md (QUICK=1: 3 seeds, 400 steps)
+	@for wl in rl finetune; do \
+	  echo "make court: $$wl: the 12 fp16 cells, then native with the LM head in fp32, then fp32 and bf16 -> $(COURT_OUT)"; \
+	  $(TRAIN) -m +experiment=court_$$wl $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
+	  $(TRAIN) -m +experiment=court_$$wl strategy=native 'model.keep_fp32=[head]' cell=-keep_head_fp32 $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
+	  $(TRAIN) -m +experiment=court_$$wl precision=fp32,bf16 strategy=none $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
+	done
+	$(BIN)/python -m analysis.court $(COURT_OUT) --page $(COURT_PAGE) $(if $(IS_QUICK),--quick)
+
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
 reproduce: setup ## Re-test the published loss-scaling claims, write docs/reproductions.md (QUICK=1: the 5-min subset)
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(BIN)/scalelab-reproduce $(if $(filter 1 yes true,$(QUICK)),--quick)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(BIN)/scalelab-reproduce $(if $(IS_QUICK),--quick)
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
 	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md

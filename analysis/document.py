@@ -161,7 +161,15 @@ def _md_cell(text: str) -> str:
 
 
 def _inline(text: str) -> str:
-    """Escape HTML, then translate `code` and, outside code spans only, **bold**."""
-    parts = re.split(r"(`[^`]+`)", html.escape(text))
-    return "".join(f"<code>{p[1:-1]}</code>" if len(p) > 1 and p[0] == p[-1] == "`"
-                   else re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", p) for p in parts)
+    """Escape HTML, then translate `code` and **bold** — bold around code spans too
+    (``**`rl` at `fp16`**``), never inside one: code spans are set aside as numbered
+    placeholders between NUL characters (removed from the text first) while bold is matched."""
+    spans: list[str] = []
+
+    def keep(m: re.Match[str]) -> str:
+        spans.append(f"<code>{m.group(0)[1:-1]}</code>")
+        return f"\x00{len(spans) - 1}\x00"
+
+    text = re.sub(r"`[^`]+`", keep, html.escape(text).replace("\x00", ""))
+    text = re.sub(r"\*\*([^*]+?)\*\*", r"<b>\1</b>", text)
+    return re.sub("\x00([0-9]+)\x00", lambda m: spans[int(m.group(1))], text)

@@ -31,7 +31,10 @@ class Metric:
     ``noun``: the words a sentence counts it in ("3 skipped steps per run"), the label unless
     given. ``diverged_loses``: a diverged run counts as ``+inf`` in the rank statistics and the
     pairing; ``inf_loses``: a completed run's ``+inf`` value (never reached) counts the same way.
-    Both are left out of means either way."""
+    Both are left out of means either way. ``timing``: a wall-clock measurement, which machine
+    load moves between runs of the same code: it is shown but never read as a difference
+    (:data:`analysis.words.TIMING`), never decides a verdict and never names a winner (issue 30;
+    speed is measured side by side by ``scalelab-bench``)."""
 
     column: str
     label: str
@@ -40,6 +43,7 @@ class Metric:
     noun: str = ""
     diverged_loses: bool = False
     inf_loses: bool = False
+    timing: bool = False
 
     def __post_init__(self) -> None:
         if not self.noun:
@@ -65,8 +69,8 @@ SKIPPED_STEPS = Metric(
     "optimizer steps skipped because of non-finite gradients")
 STRATEGY_OVERHEAD = Metric(
     "strategy_overhead_frac", "strategy overhead",
-    "mean per-step time in the strategy's scale/unscale/update, as a fraction of the step",
-    unit="fraction")
+    "mean per-step time in the strategy's scale/unscale/update, as a fraction of the step "
+    "(wall clock: shown, never read as a difference)", unit="fraction", timing=True)
 ACT_ZERO_FRAC = Metric(
     "act_zero_frac_mean", "act-grad zero fraction",
     "fraction of activation-gradient elements that are exactly zero (underflow plus "

@@ -41,8 +41,9 @@ from analysis.load import RunLoadError, load_runs
 from analysis.records import STATUSES
 from analysis.runset import RunSet
 from analysis.sections import (Comparison, bench_section, comparison_sections,
-                               diagnosis_section, figures_section, method_section,
-                               ranking_section, status_section, verdict_section, verdicts)
+                               diagnosis_section, figures_section, fresh_figures, method_section,
+                               overview_section, ranking_section, status_section,
+                               verdict_section, verdicts)
 from analysis.stats import N_BOOT
 from analysis.tables import compare_to_baseline, compare_to_reference, rank_strategies, summarize
 from analysis.text import code, write_csv
@@ -111,6 +112,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     v = verdicts(c)
     doc = Document("scalelab comparison report")
     doc.p(_provenance(rs))
+    fresh_figures(out / "figures")
+    overview_section(doc, c, out / "figures")
     verdict_section(doc, c, v)
     if page is not None:
         write_document(findings_page(rs.runs, c.when, v.overall, command,
@@ -121,7 +124,7 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     bench_section(doc, c.bench)
     status_section(doc, rs)
     diagnosis_section(doc, rs.runs)
-    figures_section(doc, c, out / "figures")
+    figures_section(doc, c, out / "figures")  # after fresh_figures: the overview stays
     method_section(doc, n_boot)
     write_document(doc, out / "report.md")
     return write_document(doc, out / "report.html")

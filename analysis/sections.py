@@ -17,6 +17,7 @@ import pandas as pd
 
 from analysis import figures as F
 from analysis.document import Document
+from analysis.figures.overview import overview_figure
 from analysis.metrics import (ACT_ZERO_FRAC, FINAL_EVAL_LOSS, METRICS, PRIMARY, SKIPPED_STEPS,
                               STEPS_TO_TARGET, STRATEGY_OVERHEAD, metric)
 from analysis.records import STATUSES
@@ -27,11 +28,12 @@ from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci, fmt_p, human, pct
 from analysis.verdict import cell_verdict, overall_verdict, phrase
 from analysis.when import CROSS_CAPTION, cross_rows, cross_verdict, order_text, table_rows
-from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE, TOO_FEW
+from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE, TIE, TOO_FEW
 
 __all__ = ["Comparison", "PAIRED_CAPTION", "Verdicts", "bench_section", "comparison_sections",
-           "diagnosis_section", "figures_section", "method_section", "ranking_section",
-           "status_section", "verdict_section", "verdicts"]
+           "diagnosis_section", "figures_section", "fresh_figures", "method_section",
+           "overview_section", "ranking_section", "status_section", "verdict_section",
+           "verdicts"]
 
 LOSS = FINAL_EVAL_LOSS.label
 
@@ -89,7 +91,9 @@ def verdict_section(doc: Document, c: Comparison, v: Verdicts) -> None:
             "Which strategy when (which_strategy_when.csv). The verdict reads the metrics in "
             f"this order: {order_text()}. Best = the strategy read *{CLEARLY_BETTER}* than "
             f"`{BASELINE}` (paired by seed) on the earliest of them for which any strategy is, "
-            f"the largest mean paired gain among several; one read *{CLEARLY_WORSE}* on an "
+            f"the largest mean paired gain among several (a {TIE} where several show the same); "
+            f"{STRATEGY_OVERHEAD.label} is wall-clock time and never decides; one read "
+            f"*{CLEARLY_WORSE}* on an "
             f"earlier metric is not counted. No best where none is {CLEARLY_BETTER}: the row "
             "then says what the paired readings say. Δ = strategy − baseline per seed, mean "
             "[95% CI]; against fp32 it is the final-eval-loss gap to the fp32 run of the same "
@@ -279,13 +283,32 @@ def diagnosis_section(doc: Document, runs: pd.DataFrame) -> None:
         "diagnosis, diagnosis_module, diagnosis_verdict, diagnosis_fix, diagnosis_error)."))
 
 
-def figures_section(doc: Document, c: Comparison, fig_dir: Path) -> None:
-    """Every figure (:func:`analysis.figures.all_figures`) saved as PNG in ``fig_dir`` (emptied
-    of older ones first: a regenerated report never shows stale figures), and what could not be
-    drawn."""
+def fresh_figures(fig_dir: Path) -> None:
+    """Create ``fig_dir`` and empty it of older PNGs (a regenerated report never shows stale
+    figures); the report calls it once, before :func:`overview_section`."""
     fig_dir.mkdir(parents=True, exist_ok=True)
     for old in fig_dir.glob("*.png"):
         old.unlink()
+
+
+def overview_section(doc: Document, c: Comparison, fig_dir: Path) -> None:
+    """The report at a glance, first (:func:`analysis.figures.overview.overview_figure`):
+    strategy × regime, each cell's paired reading against ``native`` with its Δ."""
+    with F.figure_rc():
+        f = overview_figure(c.comps)
+    if f is None:
+        return
+    try:
+        path = F.save(f, fig_dir)
+    finally:
+        F.close_all([f])
+    if path is not None:
+        doc.image(path, f.title, f.caption)
+
+
+def figures_section(doc: Document, c: Comparison, fig_dir: Path) -> None:
+    """Every figure (:func:`analysis.figures.all_figures`) saved as PNG in ``fig_dir``
+    (:func:`fresh_figures` emptied it), and what could not be drawn."""
     doc.h(1, "Figures")
     notes: list[str] = []
     figs = F.all_figures(c.rs, c.summary, c.bench, notes)

@@ -31,6 +31,7 @@ from analysis.records import STATUSES
 from analysis.stats import (LEVEL, N_BOOT, SEED, bootstrap_ci, iqm, mann_whitney,
                             prob_improvement, prob_improvement_ci, welch_test)
 from analysis.targets import REFERENCE_PRECISION, REFERENCE_STRATEGY
+from analysis.words import TIMING
 
 __all__ = ["BASELINE", "CELL_KEYS", "COMPARE_COLUMNS", "GROUP_KEYS", "compare_to_baseline",
            "compare_to_reference", "identified", "metric_values", "rank_strategies", "summarize"]
@@ -183,7 +184,8 @@ def _compare_all(pairs: list[tuple[tuple[str, str, str], pd.DataFrame, pd.DataFr
                  baseline: str, metrics: Sequence[Metric], **kw: object) -> pd.DataFrame:
     """The comparison table for ``((workload, precision, strategy), runs, baseline runs)``
     pairs, with Holm's adjustment over each family (the strategies compared with one baseline
-    on one workload, precision and metric) and each row's reading."""
+    on one workload, precision and metric) and each row's reading (:data:`TIMING` for a
+    wall-clock metric: machine load, not the strategy, moves it between runs)."""
     rows = [dict(workload=w, precision=p, strategy=s, baseline=baseline, metric=m.column,
                  **_compare(group, base, m.column, **kw))
             for (w, p, s), group, base in pairs for m in metrics]
@@ -193,7 +195,8 @@ def _compare_all(pairs: list[tuple[tuple[str, str, str], pd.DataFrame, pd.DataFr
     family = ["workload", "precision", "baseline", "metric"]
     df["paired_t_p_holm"] = df.groupby(family, sort=False)["paired_t_p"].transform(
         lambda p: holm(p.to_numpy(dtype=float)))
-    df["reading"] = [reading(r) for r in df.to_dict("records")]
+    df["reading"] = [TIMING if metric(r["metric"]).timing else reading(r)
+                     for r in df.to_dict("records")]
     return df
 
 

@@ -13,7 +13,7 @@ from analysis.tables import BASELINE
 from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci, fmt_p, pct
 from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
-                            NOT_COMPARABLE, PHRASES, WORSE_FEW)
+                            NOT_COMPARABLE, PHRASES, TIE, WORSE_FEW)
 
 __all__ = ["cell_verdict", "comparison", "evidence", "overall_verdict", "phrase"]
 
@@ -114,6 +114,31 @@ def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd
     return " ".join(parts)
 
 
+#: The health criteria of the overall verdict, in order (overhead is not one: wall clock).
+_HEALTH = ["diverged", "top", "skipped", "zeros"]
+
+
+def _board(s_low: pd.DataFrame, tier1: pd.DataFrame) -> pd.DataFrame:
+    """One row per strategy: the health criteria (:data:`_HEALTH`) and the overhead (shown
+    only), sorted by the criteria, then by name only to fix the row order of a tie."""
+    board = pd.DataFrame([{
+        "strategy": strat,
+        "diverged": int(g["n_diverged"].sum()),
+        "top": int((tier1["strategy"] == strat).sum()),
+        "skipped": _nanmean(g["skipped_steps_mean"]),
+        "zeros": _nanmean(g["act_zero_frac_mean_mean"]),
+        "overhead": _nanmean(g["strategy_overhead_frac_mean"]),
+    } for strat, g in s_low.groupby("strategy")])
+    return board.sort_values([*_HEALTH, "strategy"], ascending=[True, False, True, True, True],
+                             na_position="last").reset_index(drop=True)
+
+
+def _shown(r: pd.Series) -> tuple[object, ...]:
+    """The health criteria of one board row as the verdict writes them: rows that read the same
+    are a tie (digits below the page's are noise a re-run need not repeat)."""
+    return (r["diverged"], r["top"], fmt(r["skipped"]), pct(r["zeros"]))
+
+
 def _nanmean(col: pd.Series) -> float:
     v = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
     v = v[np.isfinite(v)]
@@ -128,7 +153,9 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     Health, in this order: fewest diverged runs; most often in the top tier of final eval loss
     (over the reduced-precision workload×precision cells); fewest skipped steps; smallest
     activation-gradient zero fraction (the underflow loss scaling exists to prevent). Cost: the
-    strategy's share of step time. When no strategy beat ``native`` on final eval loss in any
+    strategy's share of step time — shown, never a criterion (wall-clock time moves with machine
+    load, issue 30). Strategies that read the same on every criterion (as written) tie: the paragraph names them all,
+    never the first in some order. When no strategy beat ``native`` on final eval loss in any
     cell (the interval of P(lower loss) above 0.5), the paragraph opens by saying so — the pick
     is then made by the secondary criteria among strategies the seeds cannot separate."""
     low = ranks[ranks["precision"] != REFERENCE_PRECISION].dropna(subset=["rank"])
@@ -138,17 +165,9 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     cells = low.groupby(["workload", "precision"]).ngroups
     tier1 = low[low["rank"] == low.groupby(["workload", "precision"])["rank"].transform("min")]
     s_low = summary[summary["precision"] != REFERENCE_PRECISION]
-    board = pd.DataFrame([{
-        "strategy": strat,
-        "diverged": int(g["n_diverged"].sum()),
-        "top": int((tier1["strategy"] == strat).sum()),
-        "skipped": _nanmean(g["skipped_steps_mean"]),
-        "zeros": _nanmean(g["act_zero_frac_mean_mean"]),
-        "overhead": _nanmean(g["strategy_overhead_frac_mean"]),
-    } for strat, g in s_low.groupby("strategy")])
-    board = board.sort_values(["diverged", "top", "skipped", "zeros", "overhead"],
-                              ascending=[True, False, True, True, True], na_position="last")
+    board = _board(s_low, tier1)
     best = board.iloc[0]
+    same = board[[_shown(r) == _shown(best) for _, r in board.iterrows()]]
 
     winners: list[str] = []
     comparable = False
@@ -173,18 +192,22 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
                   f"{ACT_ZERO_FRAC.noun}, {STRATEGY_OVERHEAD.label} {pct(r['overhead'])} of step "
                   "time")
 
-    text += (f"{code(best['strategy'])} kept training healthiest in this sweep "
-             f"({cells} workload×precision comparison{'s' if cells != 1 else ''}): {health(best)}")
+    where = f"in this sweep ({cells} workload×precision comparison{'s' if cells != 1 else ''})"
+    if len(same) > 1:
+        text += (f"{TIE}: " + ", ".join(code(s) for s in same["strategy"]) + " kept training "
+                 f"equally healthy {where}, equal on every criterion ({health(best)})")
+    else:
+        text += f"{code(best['strategy'])} kept training healthiest {where}: {health(best)}"
     base = board[board["strategy"] == BASELINE]
-    if not base.empty and best["strategy"] != BASELINE:
+    if not base.empty and BASELINE not in set(same["strategy"]):
         text += f" — `{BASELINE}`: {health(base.iloc[0])}"
     text += "."
     ties = board[(board["top"] == best["top"]) & (board["diverged"] == best["diverged"])
-                 & (board["strategy"] != best["strategy"])]
+                 & ~board["strategy"].isin(same["strategy"])]
     if not ties.empty:
         text += (" Equally often in the top tier: " + ", ".join(code(s) for s in ties["strategy"])
-                 + f" — the order among them comes from {SKIPPED_STEPS.noun}, underflow and "
-                   "overhead.")
+                 + f" — the order among them comes from {SKIPPED_STEPS.noun} and underflow "
+                   f"({STRATEGY_OVERHEAD.label} is wall-clock time: never a criterion).")
     counts = s_low[f"{PRIMARY}_n"]
     n_seeds = int(counts[counts > 0].min()) if (counts > 0).any() else 0
     if 0 < n_seeds < 6:

@@ -3,16 +3,19 @@ paired effect against ``native`` and against the fp32 run of the same seed, and 
 reason made from the numbers (issue 12, item 5).
 
 **The order in which the metrics are read** (:data:`ORDER`): final eval loss, then time to
-target, then lost gradient entries, then 1 − cosine to fp32, then skipped steps, then strategy
-overhead. (The activation-gradient zero fraction is not read: it counts structural zeros such as
-ReLU's too; lost gradient entries measure the underflow against fp32 directly.)
+target, then lost gradient entries, then 1 − cosine to fp32, then skipped steps. (The
+activation-gradient zero fraction is not read: it counts structural zeros such as ReLU's too;
+lost gradient entries measure the underflow against fp32 directly. Strategy overhead is wall-clock
+time, which machine load moves between runs of the same code: it never decides, issue 30.)
 
 **Best** = among the strategies whose paired reading against ``native``
 (:func:`analysis.paired.reading`, in ``comparisons.csv``) is *clearly better* on the earliest
 metric in that order for which any strategy has one, the one with the lowest mean paired
-difference. The order is lexicographic: a strategy read *clearly worse* than ``native`` on an
-earlier metric is not called best on a later one. When no strategy is clearly better on any
-metric, none is called best and the row says what the paired readings say:
+difference — and where several share it as the page shows it (the same paired Δ and interval
+to 3 significant digits, e.g. two rules that chose the same scales), none is called best: the
+row reads **tie** and names them all (``tied``), whatever their order. The order is lexicographic: a strategy read *clearly
+worse* than ``native`` on an earlier metric is not called best on a later one. When no strategy is
+clearly better on any metric, none is called best and the row says what the paired readings say:
 
 * *better in these seeds, but too few seeds* — some strategy reads so on some metric (the
   earliest such metric is named, with that strategy's effect);
@@ -31,23 +34,25 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis.metrics import (FINAL_EVAL_LOSS, LOST_ENTRIES, ONE_MINUS_COS, PRIMARY,
-                              SKIPPED_STEPS, STEPS_TO_TARGET, STRATEGY_OVERHEAD, label)
+                              SKIPPED_STEPS, STEPS_TO_TARGET, label)
 from analysis.profiles import cross_workload
 from analysis.tables import BASELINE, identified
 from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci
 from analysis.words import (BETTER_ACROSS, BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE,
-                            NO_DIFFERENCE, NOT_COMPARABLE, TIE_ACROSS, WORSE_ACROSS, WORSE_FEW)
+                            NO_DIFFERENCE, NOT_COMPARABLE, TIE, TIE_ACROSS, TIMING,
+                            WORSE_ACROSS, WORSE_FEW)
 
 __all__ = ["COLUMNS", "CROSS_CAPTION", "ORDER", "cross_rows", "cross_verdict",
            "cross_workload_table", "order_text", "table_rows", "which_strategy_when"]
 
 #: The metrics the verdict reads, in this order.
 ORDER = tuple(m.column for m in (FINAL_EVAL_LOSS, STEPS_TO_TARGET, LOST_ENTRIES, ONE_MINUS_COS,
-                                 SKIPPED_STEPS, STRATEGY_OVERHEAD))
+                                 SKIPPED_STEPS) if not m.timing)
 LOSS = FINAL_EVAL_LOSS.label
 
-COLUMNS = ["workload", "regime", "precision", "best_strategy", "strategy_shown", "decided_by",
+COLUMNS = ["workload", "regime", "precision", "best_strategy", "tied", "strategy_shown",
+           "decided_by",
            "vs_native_diff", "vs_native_lo", "vs_native_hi", "vs_native_reading",
            "vs_fp32_diff", "vs_fp32_lo", "vs_fp32_hi", "vs_fp32_reading", "reason"]
 
@@ -80,12 +85,20 @@ def which_strategy_when(runs: pd.DataFrame, comps: pd.DataFrame) -> pd.DataFrame
 
 def _cell(strategies: list[str], comps: pd.DataFrame) -> dict[str, object]:
     """Best strategy, its effects and the reason for one workload × precision."""
-    native = comps[comps["baseline"] == BASELINE] if not comps.empty else comps
+    native = comps[(comps["baseline"] == BASELINE) & (comps["reading"] != TIMING)] \
+        if not comps.empty else comps
     ref = comps[(comps["baseline"] == REFERENCE_PRECISION) & (comps["metric"] == PRIMARY)] \
         if not comps.empty else comps
     if BASELINE not in strategies:
         return _control(strategies, ref)
     metric, cand, dropped = _earliest(native, CLEARLY_BETTER)
+    if metric is not None and len(_tied(cand)) > 1:
+        names = ", ".join(code(s) for s in _tied(cand))
+        out = _shown(cand.iloc[0].strategy, cand.iloc[0], ref, metric, _before(metric)
+                     + f"{TIE}: {names} are {CLEARLY_BETTER} than `{BASELINE}` on {label(metric)} "
+                     f"with the same paired gain ({_delta(cand.iloc[0])}){dropped}")
+        out["tied"] = ", ".join(_tied(cand))
+        return out
     if metric is not None:
         best = cand.iloc[0]
         names = ", ".join(code(s) for s in cand["strategy"])
@@ -181,6 +194,18 @@ def _earliest(native: pd.DataFrame, wanted: str) -> tuple[str | None, pd.DataFra
     return None, native.iloc[0:0], ""
 
 
+def _tied(cand: pd.DataFrame) -> list[str]:
+    """The strategies whose paired Δ and interval read the same as the top one's where the page
+    shows them (:func:`analysis.text.fmt`, 3 significant digits): more than one is a tie — a
+    pick among them would follow their order or digits below what a deterministic re-run
+    repeats (issue 30), never the data."""
+    def shown(r: pd.Series) -> tuple[str, ...]:
+        return tuple(fmt(r[c]) for c in ("paired_diff", "paired_diff_lo", "paired_diff_hi"))
+
+    top = shown(cand.iloc[0])
+    return sorted(r.strategy for _, r in cand.iterrows() if shown(r) == top)
+
+
 def _before(metric: str) -> str:
     """``nothing clearly better on final eval loss, time to target; `` for the metrics read
     before ``metric``."""
@@ -202,9 +227,10 @@ def table_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in df.itertuples(index=False):
         shown = f"{code(r.strategy_shown)}: "
+        tied = f"{TIE}: " + ", ".join(code(s) for s in r.tied.split(", ")) if r.tied else ""
         rows.append([
             code(r.workload if ambiguous else r.regime), code(r.precision),
-            code(r.best_strategy) if r.best_strategy else "–",
+            tied or (code(r.best_strategy) if r.best_strategy else "–"),
             label(r.decided_by) if r.decided_by else "–",
             _cell_effect(r.vs_native_diff, r.vs_native_lo, r.vs_native_hi, r.vs_native_reading,
                          "" if r.strategy_shown in (r.best_strategy, BASELINE) else shown),

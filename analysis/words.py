@@ -2,7 +2,11 @@
 
 * **Paired readings** of one strategy against a baseline, seed by seed (the rule:
   :func:`analysis.paired.reading`; the report, ``comparisons.csv``, ``which_strategy_when.csv``);
-  :data:`PHRASES` puts each in a sentence against a named baseline (:func:`analysis.verdict.phrase`).
+  :data:`PHRASES` puts each in a sentence against a named baseline
+  (:func:`analysis.verdict.phrase`);
+  a wall-clock metric (``Metric.timing``) is never read: its reading is :data:`TIMING`.
+* **An exact tie** for the best strategy (:data:`TIE`): two strategies with the same paired
+  effect are both named, never the first in some order.
 * **Across workloads**: a strategy's AlgoPerf score B against ``native``'s
   (:func:`analysis.when.cross_workload_table`; ``cross_workload.csv``).
 * **Reproduced claims**: the verdict of one finding (:mod:`analysis.reproduce.claims.base`), and
@@ -17,8 +21,8 @@ from __future__ import annotations
 
 __all__ = ["ACROSS", "BETTER_ACROSS", "BETTER_FEW", "CLEARLY_BETTER", "CLEARLY_WORSE",
            "EVAL_ERROR", "INCONCLUSIVE", "NOT_COMPARABLE", "NOT_REPRODUCED", "NOT_RUN",
-           "NO_DIFFERENCE", "PHRASES", "READINGS", "REPRODUCED", "TIE_ACROSS", "TOO_FEW",
-           "VERDICTS", "WORSE_ACROSS", "WORSE_FEW"]
+           "NO_DIFFERENCE", "PHRASES", "READINGS", "REPRODUCED", "TIE", "TIE_ACROSS", "TIMING",
+           "TOO_FEW", "VERDICTS", "WORSE_ACROSS", "WORSE_FEW"]
 
 # -- paired readings (analysis/paired.py) --------------------------------------------------------
 CLEARLY_BETTER, CLEARLY_WORSE = "clearly better", "clearly worse"
@@ -27,7 +31,10 @@ BETTER_FEW = f"better in these seeds, but {TOO_FEW}"
 WORSE_FEW = f"worse in these seeds, but {TOO_FEW}"
 NO_DIFFERENCE = "no detectable difference"
 NOT_COMPARABLE = "not comparable"
-READINGS = (CLEARLY_BETTER, CLEARLY_WORSE, BETTER_FEW, WORSE_FEW, NO_DIFFERENCE, NOT_COMPARABLE)
+TIMING = "not read: wall-clock time moves with machine load"
+READINGS = (CLEARLY_BETTER, CLEARLY_WORSE, BETTER_FEW, WORSE_FEW, NO_DIFFERENCE, NOT_COMPARABLE,
+            TIMING)
+TIE = "tie"
 
 #: The sentence of each reading against a baseline ``{b}`` (the report's verdict).
 PHRASES = {
@@ -37,6 +44,7 @@ PHRASES = {
     WORSE_FEW: f"worse than {{b}} in these seeds, but {TOO_FEW} for a significant test",
     NO_DIFFERENCE: f"{NO_DIFFERENCE} from {{b}}",
     NOT_COMPARABLE: f"{NOT_COMPARABLE} (too few finished runs)",
+    TIMING: f"{TIMING} (speed: scalelab-bench)",
 }
 
 # -- across workloads (analysis/when.py) ---------------------------------------------------------

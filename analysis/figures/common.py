@@ -39,8 +39,8 @@ from analysis.stats import SEED
 from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code
 
-__all__ = ["FORMAT_RANGES", "Figure", "MAX_PER_KIND", "REFERENCE_PRECISION", "band_plot",
-           "figure_png", "figure_rc"]
+__all__ = ["FORMAT_RANGES", "Figure", "MAX_PER_KIND", "PALETTE", "REFERENCE_PRECISION",
+           "band_plot", "figure_png", "figure_rc", "legend_outside", "palette"]
 
 #: Exponent (floor(log2|x|)) of the smallest subnormal, smallest normal and largest finite value.
 FORMAT_RANGES: dict[str, tuple[int, int, int]] = {
@@ -120,10 +120,27 @@ def slug(*parts: object) -> str:
     return out or "figure"
 
 
+#: The strategies' colours (issue 30: no repeats among the 12 rules): seaborn's ``colorblind``
+#: ten, then ten more picked greedily from seaborn's palettes (``dark``, ``pastel``, ``bright``,
+#: ``Set1``, ``Set2``, ``Dark2``, ``tab20``; none near white or black), each the farthest in RGB
+#: from those before it. The smallest distance between any two of the 20 is 0.196, the
+#: colorblind ten's own smallest (``tests/analysis/test_glance.py``).
+PALETTE = ("#0173b2", "#de8f05", "#029e73", "#d55e00", "#cc78bc", "#ca9161", "#fbafe4",
+           "#949494", "#ece133", "#56b4e9", "#591e71", "#66a61e", "#8b2be2", "#e7298a",
+           "#e8000b", "#00d7ff", "#023eff", "#dbdb8d", "#8c564b", "#9edae5")
+
+
 def palette(strategies: Iterable[str]) -> dict[str, Any]:
+    """A colour per strategy name (sorted), distinct for up to ``len(PALETTE)`` = 20 names."""
     names = sorted({str(s) for s in strategies})
-    colours = sns.color_palette("colorblind", max(len(names), 1))
-    return dict(zip(names, colours))
+    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(names)}
+
+
+def legend_outside(ax: Any, fontsize: int = 7) -> None:
+    """The axes' legend (when it has entries) to the right of the plot, off the data."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  borderaxespad=0.0, frameon=False)
 
 
 def low_precisions(df: pd.DataFrame) -> list[str]:

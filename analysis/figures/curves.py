@@ -7,7 +7,7 @@ import numpy as np
 import seaborn as sns
 
 from analysis.figures.common import (REFERENCE_PRECISION, Figure, band_plot, finish, finite,
-                                     low_precisions, palette, subplots)
+                                     legend_outside, low_precisions, palette, subplots)
 from analysis.metrics import SKIPPED_STEPS
 from analysis.runset import RunSet
 
@@ -45,8 +45,7 @@ def loss_curve_figures(rs: RunSet) -> list[Figure]:
             ax.set_title(f"{prec}")
             ax.set_xlabel("step")
             ax.set_ylabel("training loss" + (" (window mean)" if y == "loss_avg" else ""))
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            legend_outside(ax)
         out.append(finish(
             fig, "loss", "Loss curves", (workload,),
             "Mean training loss over seeds (line) with its 95 % bootstrap band, completed runs; "
@@ -96,7 +95,7 @@ def scale_trajectory_figures(rs: RunSet) -> list[Figure]:
                 ax2.set_ylabel("log2(scale)")
             for a in axes[row]:
                 if a.get_legend() is not None:
-                    a.legend(fontsize=7)
+                    legend_outside(a)
         out.append(finish(
             fig, "scales", "Scale trajectories", (workload,),
             "log2 of the loss scale after each update, one line per run. Steps down are backoffs "
@@ -123,7 +122,7 @@ def skipped_figures(rs: RunSet) -> list[Figure]:
         for ax, prec in zip(axes[0], precs):
             cur = wl[wl["precision"] == prec]
             band_plot(ax, cur, "step", "skipped_total", "strategy", pal, step=True)
-            ax.legend(fontsize=7)
+            legend_outside(ax)
             ax.set_title(prec)
             ax.set_ylabel(f"{SKIPPED_STEPS.noun} so far")
         out.append(finish(

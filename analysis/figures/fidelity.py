@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from analysis.figures.common import (Figure, band_plot, cells, finish, finite, palette,
-                                     subplots)
+from analysis.figures.common import (Figure, band_plot, cells, finish, finite, legend_outside,
+                                     palette, subplots)
 from analysis.metrics import LOST_ENTRIES, ONE_MINUS_COS, SKIPPED_STEPS, Metric
 from analysis.runset import RunSet
 
@@ -51,8 +51,7 @@ def fidelity_curve_figures(rs: RunSet) -> list[Figure]:
             scales.append(_symlog_if_wide(ax, cur[col]))
             ax.set_xlabel("step")
             ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            legend_outside(ax)
         scale_note = ("Symlog y (linear near 0, log above the smallest positive value) where "
                       "values span more than two decades: " + ", ".join(
                           f"{m.label}: {'symlog' if s else 'linear'}"

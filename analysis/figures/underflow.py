@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.figures.common import (FORMAT_RANGES, REFERENCE_PRECISION, Figure, cells, finish,
-                                     palette, subplots)
+                                     legend_outside, palette, subplots)
 from analysis.runset import RunSet
 
 __all__ = ["exponent_histogram_figures", "underflow_heatmap_figures"]
@@ -108,7 +108,7 @@ def exponent_histogram_figures(rs: RunSet) -> list[Figure]:
             ax.text(0.01, 0.92, f"{strat}: exact zeros {zero_frac:.1%}", transform=ax.transAxes,
                     fontsize=8, va="top")
             ax.set_ylabel("fraction")
-            ax.legend(fontsize=6, loc="upper right")
+            legend_outside(ax, fontsize=6)
         axes[-1, 0].set_xlabel("floor(log2 |activation gradient|), scaled")
         out.append(finish(
             fig, "exponents", "Gradient exponents", (workload, prec),

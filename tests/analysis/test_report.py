@@ -80,7 +80,7 @@ def test_html_is_self_contained_and_embeds_every_figure(report: Path):
         assert img["src"].startswith("data:image/png;base64,")
         assert (report / "figures" / img["data-file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     kinds = {re.sub(r"-.*", "", p.removesuffix(".png")) for p in pngs}
-    assert kinds == {"loss", "intervals", "paired", "scales", "skipped", "underflow",
+    assert kinds == {"overview", "loss", "intervals", "paired", "scales", "skipped", "underflow",
                      "exponents", "overhead_vs_size"}
 
 
