@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from experiments import schema
 from experiments.app import checkpoint as ckpt
-from experiments.app import distributed as dist, fidelity, preemption, recipe, stops, telemetry
+from experiments.app import distributed as dist, fidelity, preemption, recipe, stops, telemetry, tracefile
 from experiments.app.build import AppError, ConfigError, one_line, build_data, build_model, build_optimizer, build_precision
 from experiments.app.build import build_strategy, run_labels
 from experiments.app.config import RunConfig
@@ -118,6 +118,7 @@ def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overr
         parts = _build(cfg, run_cfg, info, precision, plan.state, rundir.path)
         rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, plan)
         rec.open(cfg.logger)
+        parts.trace = tracefile.start(rec, parts, run_cfg, names)
         return _train(run_cfg, parts, rec, names)
     finally:
         torch.use_deterministic_algorithms(prev_det)

@@ -83,6 +83,7 @@ class Recorder:
         self.losses = LossWindow(device, None if state is None else state["loss_window"])
         self.writer = records.MetricsWriter(None)
         self.loggers: list = []
+        self.trace: Any = None  # the run's TraceFile (experiments/app/tracefile.py), flushed with the records
 
     def open(self, logger_cfg: DictConfig) -> None:
         """Rank 0: set the directory up for this start or resume (as its :class:`ResumePlan` says),
@@ -139,6 +140,8 @@ class Recorder:
         row.update(hook_stats)
         row.update(lr=lr, step_time_s=step_time, strategy_time_s=strategy_time)
         self.emit(row)
+        if self.trace is not None:
+            self.trace.flush(step, row.get("act_exp_hist"))
         return row
 
     def eval_line(self, step: int, ev: dict) -> None:
@@ -149,6 +152,8 @@ class Recorder:
         """Rank 0 (when ``train.checkpoint_every > 0``): everything a resume needs, atomically."""
         if not (self.main and self.run.train.checkpoint_every > 0):
             return
+        if self.trace is not None:  # a resume from this step finds every row up to it
+            self.trace.flush(step)
         ckpt.save(
             self.rundir.path / schema.CHECKPOINT_NAME,
             {"step": step, "status": status, "config": records.redact(self.resolved),
@@ -173,3 +178,6 @@ class Recorder:
 
     def close(self) -> None:
         self.writer.close()
+        if self.trace is not None:
+            self.trace.flush(self.counters["steps"])
+            self.trace.close()

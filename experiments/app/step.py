@@ -17,6 +17,8 @@ On a logging step the loop's own gradient statistics are read after ``unscale_``
 compared with the fp32 one at the same weights, batch and dropout (:mod:`experiments.app.fidelity`),
 before the regime's rescaling. :class:`StepTimer` keeps the step's wall time and the part of it
 spent inside the strategy; nothing in the step reads the device but GradScaler's own skip decision.
+With ``parts.trace`` (a :class:`strategies.tracing.TraceRecorder`), each step also leaves its row of
+the statistics trace on the device (read at the logging interval: ``experiments/app/tracefile.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Parts:
     info: dist.DistInfo
     precision: Any
     layers: dict[int, str]
+    trace: Any = None  # a strategies.tracing.TraceRecorder, fed every step (experiments/app/tracefile.py)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ def train_step(parts: Parts, run: RunConfig, step: int, measure: bool, probe: bo
         scaled.backward()
         with timer:
             strategy.unscale_(optimizer)
+        if p.trace is not None:
+            p.trace.unscaled(p.params)
         grad_stats = telemetry.param_grad_stats(p.params) if measure else {}
         probed = None if rng is None else fidelity.probe(p.raw_model, BatchLoss(p.raw_model, p.batch), p.params,
                                                          rng, p.layers)
@@ -149,6 +154,8 @@ def train_step(parts: Parts, run: RunConfig, step: int, measure: bool, probe: bo
             strategy.step(optimizer)
             strategy.update()
         strategy_time = timer.strategy_seconds()
+        if p.trace is not None:
+            p.trace.stepped(step, loss, optimizer.param_groups[0]["lr"])
     except ValueError as exc:
         if not first:
             raise
