@@ -165,12 +165,15 @@ class Trace:
         for i, text in enumerate(items):
             try:
                 obj = json.loads(text)
+            except ValueError as exc:
+                if i == len(items) - 1 and trace is not None:
+                    break  # the line a killed writer left half-written
+                raise TraceError(f"line {i + 1}: not JSON: {exc}"[:300]) from None
+            try:
                 if not isinstance(obj, dict):
                     raise ValueError("not an object")
                 trace = _apply(trace, obj)
             except (ValueError, KeyError, TypeError, struct.error) as exc:
-                if i == len(items) - 1 and trace is not None:
-                    break  # the line a killed writer left half-written
                 raise TraceError(f"line {i + 1}: {type(exc).__name__}: {exc}"[:300]) from None
         if trace is None:
             raise TraceError("no trace header")
