@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 QUICK      ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full report reproduce bench doctor-eval clean
+.PHONY: help setup test test-all compare compare-full report reproduce bench doctor-eval replay-check clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -55,6 +55,9 @@ bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, 
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
+
+replay-check: setup ## Replay every strategy on other rules' traces vs real runs (~30 min of one CPU): docs/replay.md
+	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
 
 clean: ## Remove runs, reports and caches (keeps .venv)
 	rm -rf runs reports outputs multirun .pytest_cache .hypothesis

@@ -1,5 +1,6 @@
 """``scalelab-replay RUN_DIR --strategy NAME [--set key=value ...] [--json]``: what a strategy
-would have done on a recorded run (``strategies.replay`` on the run's ``trace.jsonl``).
+would have done on a recorded run (``strategies.replay`` on the run's ``trace.jsonl``; RUN_DIR may
+also be a trace file, such as ``strategies.watch.Watch.save`` writes from any training loop).
 
 NAME is any option of ``conf/strategy/`` (a rule or a preset, resolved through its YAML as the app
 does, with the run's precision) or a registered rule; ``--set`` overrides its options. Text output
@@ -35,10 +36,14 @@ class ReplayError(Exception):
 
 
 def load_trace(run_dir: Path) -> Trace:
-    """The run's trace (``trace.jsonl``); :class:`ReplayError` when missing or unreadable."""
-    if not run_dir.is_dir():
+    """The run's trace (``RUN_DIR/trace.jsonl``, or a trace file itself, e.g. written by
+    ``strategies.watch.Watch.save``); :class:`ReplayError` when missing or unreadable."""
+    if run_dir.is_file():
+        path = run_dir
+    elif not run_dir.is_dir():
         raise ReplayError(f"run directory {run_dir} does not exist or is not a directory")
-    path = run_dir / schema.TRACE_NAME
+    else:
+        path = run_dir / schema.TRACE_NAME
     if not path.is_file():
         raise ReplayError(f"{run_dir} has no {schema.TRACE_NAME} (a run from before traces, or train.trace=false)")
     try:
@@ -93,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", required=True, help="a conf/strategy option or registered rule; 'all': every option")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a strategy option")
     p.add_argument("--json", action="store_true", help="one JSON object per step")
-    p.add_argument("--overflow", choices=OVERFLOW_MODELS, default="persist", help="overflow model of recorded overflows")
+    p.add_argument("--overflow", choices=OVERFLOW_MODELS, default="auto", help="overflow model of recorded overflows")
     return p
 
 

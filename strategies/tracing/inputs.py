@@ -2,18 +2,25 @@
 from the trace, the inputs its hooks would have observed, and the rules whose input no trace holds.
 
 **Overflow under another scale** (the trace recorded the *unscaled* gradients; a scale ``S'``
-multiplies them back). For step ``i`` and layer group ``l`` with recorded abs-max ``a_il`` and the
-format's largest value ``M`` (``trace.format.max``):
+multiplies them back). For step ``i`` and layer group ``l`` with recorded abs-max ``a_il``, recorded
+scale ``S_il`` and the format's largest value ``M`` (``trace.format.max``):
 
 * the loss itself is not finite → the step overflows at every scale: the forward overflowed or
   the data held a NaN, which no scale fixes;
-* ``a_il`` finite → group ``l`` overflows iff ``a_il * S'_l >= M`` (never for a saturating
-  format, fp8 e4m3, whose casts clip instead);
-* ``a_il`` not finite (the recorded step overflowed there, at the recorded scale ``S_il``): the true
-  abs-max is unknown, only that it is at least ``M / S_il``. ``persist`` (the default, chosen by the
-  measurements of ``docs/replay.md``): it overflows at every scale — a spike, a NaN, an overflowing
-  activation the gradients never show; ``bound``: it overflows iff ``S'_l >= S_il``, and a scale
-  below keeps it with the lower bound ``M / S_il`` as its abs-max.
+* ``a_il`` finite (no overflow at ``S_il``) → group ``l`` overflows iff ``S'_l > S_il`` and
+  ``a_il * S'_l >= M`` (never for a saturating format, fp8 e4m3, whose casts clip instead). A
+  scale at or below the recorded one cannot overflow (a recorded run replays as itself), and
+  above it the parameter gradients' abs-max stands for the gradients inside backward;
+* ``a_il`` not finite (the recorded step overflowed there): the true abs-max is unknown, only that
+  it is at least ``M / S_il``. Three models (``overflow=``):
+
+  - ``persist``: it overflows at every scale (a spike, a NaN, an overflowing activation);
+  - ``bound``: it overflows iff ``S'_l >= S_il``; below, the lower bound ``M / S_il`` is its abs-max;
+  - ``auto`` (the default, chosen by the measurements of ``docs/replay.md``): ``bound`` when the
+    group's gradients of the :data:`RECENT` steps before were already within a factor
+    :data:`NEAR` of overflowing at ``S_il`` (``max a * S_il >= NEAR * M``: the *scale* overflowed,
+    as a rule that rides the edge does), else ``persist`` (a jump no scale near the recorded one
+    survives).
 
 A step overflows when any group does. The parameter gradients' abs-max underestimates the
 activation gradients inside backward (``strategies/rules/amax_history.py`` measured 61745 < 65504
@@ -34,29 +41,45 @@ from strategies.stats import E_BINS, E_LO, GradStats
 from strategies.tracing.trace import Histogram, Trace
 
 __all__ = ["MissingInput", "OVERFLOW_MODELS", "check_inputs", "group_overflow", "lost_fractions", "shifted_histogram",
-           "step_stats"]
+           "step_stats", "unreplayable", "NEAR", "RECENT"]
 
-OVERFLOW_MODELS = ("persist", "bound")
+OVERFLOW_MODELS = ("auto", "persist", "bound")
+RECENT = 8
+"""Steps before a recorded overflow whose abs-max tells a scale overflow from a jump (``auto``)."""
+NEAR = 0.5
+"""``auto``: a recorded overflow is the scale's when the recent abs-max times the recorded scale was at
+least this fraction of the format's largest value."""
 
 
 class MissingInput(ValueError):
     """The strategy reads something the trace does not record (the message says what)."""
 
 
+def unreplayable(strategy: Any) -> str | None:
+    """Why ``strategy`` can be replayed on no trace (its input is never recorded), or None."""
+    name = getattr(strategy, "name", type(strategy).__name__)
+    if not isinstance(strategy, Strategy):
+        return f"{name}: not a scalelab Strategy (its update cannot be fed a trace)"
+    if not strategy.is_enabled():
+        return f"{name}: disabled (no scaling): nothing to replay"
+    if hasattr(strategy, "probe_sums") or type(strategy).on_unscale is not Strategy.on_unscale:
+        return (f"{name} compares each probe step's gradient with an fp32 reference gradient (its probe); the "
+                "trace records none, and replaying it would be a guess")
+    if getattr(strategy.params, "rule", None) == "adaloss":
+        return f"{name} (rule adaloss) reads each group's activation-gradient statistics and weights; the trace records neither"
+    known = strategy.per_group or any(spec.name == "exp_hist" for spec in strategy._specs())
+    if type(strategy).attach is not Strategy.attach and not known:
+        return f"{name} observes the model through hooks the trace does not record"
+    return None
+
+
 def check_inputs(strategy: Strategy, trace: Trace) -> list[str]:
     """Raise :class:`MissingInput` when ``strategy`` reads what ``trace`` lacks; else return the
     notes on how its inputs are approximated."""
-    name = getattr(strategy, "name", type(strategy).__name__)
-    if not isinstance(strategy, Strategy):
-        raise MissingInput(f"{name}: not a scalelab Strategy (its update cannot be fed a trace)")
-    if not strategy.is_enabled():
-        raise MissingInput(f"{name}: disabled (no scaling): nothing to replay")
-    if hasattr(strategy, "probe_sums") or type(strategy).on_unscale is not Strategy.on_unscale:
-        raise MissingInput(f"{name} compares each probe step's gradient with an fp32 reference gradient "
-                           "(its probe); the trace records none, and replaying it would be a guess")
-    if getattr(strategy.params, "rule", None) == "adaloss":
-        raise MissingInput(f"{name} (rule adaloss) reads each group's activation-gradient statistics and "
-                           "weights; the trace records neither")
+    reason = unreplayable(strategy)
+    if reason is not None:
+        raise MissingInput(reason)
+    name = strategy.name
     notes = []
     if strategy.per_group:
         if not trace.groups or any(math.isnan(a) for row in trace.group_absmax for a in row):
@@ -69,9 +92,7 @@ def check_inputs(strategy: Strategy, trace: Trace) -> list[str]:
                                "(train.hist_every=0)")
         every = _spacing(sorted(trace.histograms))
         notes.append(f"histogram measured at {len(trace.histograms)} steps (every {every}); between them the last "
-                     "one is held, re-expressed at the replayed scale (the first one before it)")
-    elif type(strategy).attach is not Strategy.attach:
-        raise MissingInput(f"{name} observes the model through hooks the trace does not record")
+                     "one of a clean step is held, re-expressed at the replayed scale (the first one before it)")
     if getattr(strategy, "needs_stats", False) and name == "learned":
         notes.append("the underflow fraction it reads is the recorded one (measured at the recorded scale)")
     return notes
@@ -82,10 +103,18 @@ def _spacing(steps: list[int]) -> str:
     return "once" if not gaps else (f"{gaps[0]} steps" if len(gaps) == 1 else f"{gaps[0]}-{gaps[-1]} steps")
 
 
+def _near_overflow(trace: Trace, i: int, rec: list[float]) -> bool:
+    """Were the gradients of the :data:`RECENT` steps before step ``i`` already within :data:`NEAR` of
+    the format's largest value at the recorded scales ``rec`` (in any group)?"""
+    peak = max((a * r for row in trace.group_absmax[max(0, i - RECENT):i] for a, r in zip(row, rec) if math.isfinite(a)),
+               default=0.0)
+    return peak >= NEAR * trace.format.max
+
+
 def group_overflow(trace: Trace, i: int, scales: list[float], mode: str) -> tuple[list[bool], list[float]]:
     """Per layer group: does step ``i`` overflow at ``scales`` (one per group, or one for all), and
-    the abs-max to feed (``inf`` where it overflows, the lower bound ``M / S`` where ``bound``
-    keeps a recorded overflow)? The model is the module docstring's."""
+    the abs-max to feed (``inf`` where it overflows, the lower bound ``M / S`` where a recorded
+    overflow is kept below its scale)? The model is the module docstring's."""
     fmt, G = trace.format, len(trace.groups)
     s_new = scales if len(scales) == G else [scales[-1]] * G
     rec = trace.scale[i] if len(trace.scale[i]) == G else [trace.scale[i][-1]] * G
@@ -94,18 +123,18 @@ def group_overflow(trace: Trace, i: int, scales: list[float], mode: str) -> tupl
     amax = list(trace.group_absmax[i])
     if trace.found_inf[i] and all(math.isfinite(a) for a in amax):  # an overflow no group shows
         amax = [math.inf] * G
+    jump = mode == "persist" or (mode == "auto" and not all(map(math.isfinite, amax)) and not _near_overflow(trace, i, rec))
     over, feed = [], []
     for a, s, r in zip(amax, s_new, rec):
         if math.isfinite(a):
-            o = not fmt.saturates and a * s >= fmt.max
-            over.append(o)
-            feed.append(math.inf if o else a)
-        elif mode == "persist" or s >= r:
-            over.append(True)
-            feed.append(math.inf)
+            o = not fmt.saturates and s > r and a * s >= fmt.max
+        elif jump:
+            o = True
         else:
-            over.append(False)
-            feed.append(fmt.max / r)
+            o = s >= r
+            a = fmt.max / r
+        over.append(o)
+        feed.append(math.inf if o else a)
     return over, feed
 
 

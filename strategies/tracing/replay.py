@@ -142,11 +142,11 @@ def _fault(strategy: Strategy) -> str | None:
     return None
 
 
-def replay(trace: Trace, strategy: Strategy | str, *, overflow: str = "persist",
+def replay(trace: Trace, strategy: Strategy | str, *, overflow: str = "auto",
            device: str | torch.device = "cpu") -> ReplayResult:
     """Run ``strategy`` (a fresh, unused :class:`Strategy`, or a registered rule's name with its
     defaults) on ``trace`` and return its trajectory (module docstring; the overflow model
-    ``overflow``: ``persist`` | ``bound``, :mod:`strategies.tracing.inputs`).
+    ``overflow``: ``auto`` | ``persist`` | ``bound``, :mod:`strategies.tracing.inputs`).
 
     Raises:
         MissingInput: the strategy reads what the trace does not record (e.g. ``norm_ratio``'s fp32
@@ -164,20 +164,20 @@ def replay(trace: Trace, strategy: Strategy | str, *, overflow: str = "persist",
     floor = strategy.params.min_scale
     result = ReplayResult(strategy.name, groups=list(trace.groups) if strategy.per_group else None,
                           floor=None if floor is None else float(floor), notes=notes)
-    hist_steps = sorted(trace.histograms)
     index = {step: i for i, step in enumerate(trace.steps)}
+    clean = [h for h in sorted(trace.histograms) if h in index and not trace.found_inf[index[h]]]
     for i, step in enumerate(trace.steps):
         scales = strategy.state.scale.reshape(-1).tolist()
         over, feed = group_overflow(trace, i, scales, overflow)
         found, stats, contaminated = step_stats(trace, i, over, feed, strategy.per_group, device)
         out = ReplayStep(step, float(strategy.output_scale()), bool(found), scales if strategy.per_group else None)
-        held = _held_histogram(hist_steps, step)
-        if held is not None:
+        if step in trace.histograms:
+            ratio = out.scale / trace.scale[i][-1]
+            out.lost_frac, out.subnormal_frac = lost_fractions(trace.histograms[step], ratio, trace)
+        held = _held_histogram(clean, step)  # an overflowed backward's histogram stands for no other step
+        if held is not None and any(spec.name == "exp_hist" for spec in strategy._specs()):
             ratio = out.scale / trace.scale[index[held]][-1]
-            if held == step:
-                out.lost_frac, out.subnormal_frac = lost_fractions(trace.histograms[held], ratio, trace)
-            if any(spec.name == "exp_hist" for spec in strategy._specs()):
-                strategy.state.exp_hist.copy_(shifted_histogram(trace.histograms[held], ratio, trace, device))
+            strategy.state.exp_hist.copy_(shifted_histogram(trace.histograms[held], ratio, trace, device))
         result.steps.append(out)
         _feed(strategy, found, stats, contaminated)
         message = _fault(strategy)
@@ -188,7 +188,7 @@ def replay(trace: Trace, strategy: Strategy | str, *, overflow: str = "persist",
 
 
 def _held_histogram(hist_steps: list[int], step: int) -> int | None:
-    """The histogram step that stands for ``step``: the last at or before it, else the first."""
+    """The histogram step that stands for ``step``: the last (of a clean step) at or before it, else the first."""
     if not hist_steps:
         return None
     before = [h for h in hist_steps if h <= step]

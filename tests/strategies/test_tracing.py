@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import strategies
 from strategies.tracing import FORMATS, Histogram, MissingInput, Trace, TraceError, TraceRecorder, replay
-from strategies.tracing.inputs import group_overflow, lost_fractions
+from strategies.tracing.inputs import RECENT, group_overflow, lost_fractions
 from tests.helpers import batch, forbid_host_sync, mlp
 
 SPIKES = {4: 1e6, 9: 1e6, 10: 1e6}  # step -> loss multiplier: overflows at any usual scale
@@ -119,6 +119,29 @@ def test_the_overflow_model() -> None:
     e4m3 = Trace(["a"], [1], format=FORMATS["fp8_e4m3"])
     e4m3.add_row(1, [0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.1, 1.0, 2.0])
     assert group_overflow(e4m3, 0, [1e9], "persist")[0] == [False]  # saturates, never inf
+
+
+def test_a_clean_step_never_overflows_at_or_below_its_recorded_scale() -> None:
+    t = Trace(["a"], [1], format=FORMATS["fp16"])
+    t.add_row(1, [0.0, 1.0, 100.0, 1.0, 0.0, 0.0, 0.1, 1024.0, 100.0])  # 100 * 1024 > 65504, yet it did not overflow
+    assert group_overflow(t, 0, [1024.0], "persist") == ([False], [100.0])  # the recorded run replays as itself
+    assert group_overflow(t, 0, [2048.0], "persist")[0] == [True]
+
+
+def test_auto_tells_a_scale_that_overflowed_from_a_jump() -> None:
+    """``auto``: a recorded overflow after gradients near the edge at that scale (max a * S >= NEAR * M)
+    is the scale's (``bound``: a lower scale survives it); after gradients far from it, a jump (``persist``)."""
+    near = 0.75 * 65504.0 / 1024.0  # a * S = 0.75 M >= NEAR * M
+    for before, kept in ((near, True), (0.1 * 65504.0 / 1024.0, False)):
+        t = Trace(["a"], [1], format=FORMATS["fp16"])
+        for step in range(1, 1 + RECENT):
+            t.add_row(step, [0.0, 1.0, before, 1.0, 0.0, 0.0, 0.1, 1024.0, before])
+        t.add_row(1 + RECENT, [1.0, 1.0, math.nan, math.nan, 0.0, 0.0, 0.1, 1024.0, math.inf])
+        over, feed = group_overflow(t, RECENT, [512.0], "auto")
+        assert over == [not kept] and feed == ([65504.0 / 1024.0] if kept else [math.inf])
+        assert group_overflow(t, RECENT, [1024.0], "auto")[0] == [True]  # at the recorded scale: always
+        assert group_overflow(t, RECENT, [512.0], "bound")[0] == [False]
+        assert group_overflow(t, RECENT, [512.0], "persist")[0] == [True]
 
 
 def test_lost_entries_from_the_histogram() -> None:
