@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 QUICK      ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full report reproduce bench doctor-eval replay-check clean
+.PHONY: help setup test test-all compare compare-full report reproduce bench doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -58,6 +58,9 @@ doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed 
 
 replay-check: setup ## Replay every strategy on other rules' traces vs real runs (~30 min of one CPU): docs/replay.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
+
+warning-eval: setup ## Fit and evaluate the early warning on labelled runs (held-out seeds, workloads): docs/early-warning.md
+	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.warning.evaluate
 
 clean: ## Remove runs, reports and caches (keeps .venv)
 	rm -rf runs reports outputs multirun .pytest_cache .hypothesis
