@@ -10,13 +10,14 @@ STAMP      := $(VENV)/.scalelab-installed
 OUT        ?= runs/compare
 REPORT     ?= reports/compare
 EXPERIMENT ?= compare
+FP8_SWEEP  ?= workload=finetune
 PAGE       ?= docs/findings.md
 TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
 QUICK      ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full report reproduce bench doctor-eval replay-check warning-eval clean
+.PHONY: help setup test test-all compare compare-full stress report reproduce bench doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -35,14 +36,17 @@ test: setup ## Run the test suite (CI path: everything but tests marked slow)
 test-all: setup ## Run every test, slow ones included
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-compare: setup ## Run the default comparison sweep on the CPU and write its report
+compare: setup ## Run the default comparison (natural workloads: finetune, rl, deep nets, fp8, bf16) and write its report
 	$(TRAIN) -m +experiment=$(EXPERIMENT) hydra.sweep.dir=$(OUT)
-	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 regime=plain hydra.sweep.dir=$(OUT)
+	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 $(FP8_SWEEP) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT) --page $(PAGE)
 
-compare-full: setup ## The larger comparison (every preset, 8 seeds, twice the steps): runs/compare_full
+compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps): runs/compare_full
 	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full PAGE=reports/compare_full/findings.md
+
+stress: setup ## The synthetic stress comparison (loss x1e-8, x1e4 spikes; the default until issue 30): runs/stress
+	$(MAKE) compare EXPERIMENT=stress OUT=runs/stress REPORT=reports/stress PAGE=reports/stress/findings.md FP8_SWEEP=regime=plain
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)

@@ -118,7 +118,7 @@ def suite(runs: pd.DataFrame, t: pd.Series) -> Suite:
     cells below fp32 with ``native``; strategies that ran on all of them; the seeds where every
     one of them has a time (NaN = not comparable leaves the seed out)."""
     df = runs.assign(time=t)
-    df = df[df["workload"].notna() & df["seed"].notna() & df["strategy"].notna()]
+    df = df[df["workload"].notna() & df["precision"].notna() & df["seed"].notna() & df["strategy"].notna()]
     low = df[df["precision"] != REFERENCE_PRECISION]
     cells = sorted({(w, p) for w, p, s in zip(low["workload"], low["precision"], low["strategy"])
                     if s == BASELINE})

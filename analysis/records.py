@@ -26,7 +26,7 @@ from experiments.schema import KIND_EVAL, KIND_FIDELITY, KIND_TRAIN, TRAIN_FIELD
 
 __all__ = ["MAX_NAME", "MAX_TEXT", "OUT_OF_RANGE", "OutOfRange", "STATUSES", "as_float", "cell",
            "classify", "coerce_fields", "cut", "describe_bad", "finite_mean", "line_problem",
-           "parse_json", "workload_of"]
+           "parse_json", "segments_note", "workload_of"]
 
 #: Statuses every report table shows (others a writer used are appended after them).
 STATUSES = ("completed", "diverged", "failed", "incomplete")
@@ -104,6 +104,25 @@ def describe_bad(where: str, bad: Counter) -> str:
     parts = ([f"wrong type for {keys(wrong)}"] if wrong else []) + \
         ([f"integer beyond float range for {keys(huge)}"] if huge else [])
     return f"{where}: {'; '.join(parts)} (ignored)"
+
+
+def segments_note(segments: Any) -> str | None:
+    """One line when a run's ``segments`` (``summary.json``) ran on more than one commit or torch
+    version — ``resumed on other code: from step 0 git 0123abcd… torch 2.13.0; from step 20 git …``
+    — else ``None`` (entries that are not objects, and values that are not strings, are ignored)."""
+    if not isinstance(segments, list):
+        return None
+    seen = []
+    for seg in segments[:50]:
+        if not isinstance(seg, Mapping):
+            continue
+        sha, tv = (seg.get(k) if isinstance(seg.get(k), str) else None for k in ("git_sha", "torch_version"))
+        start = coerce(TRAIN_FIELDS["step"], seg.get("start_step"))
+        seen.append((start, (sha or "?")[:12], (tv or "?")[:40]))
+    if len({(sha, tv) for _, sha, tv in seen}) < 2:
+        return None
+    return "resumed on other code: " + "; ".join(
+        f"from step {'?' if s is None else s} git {sha} torch {tv}" for s, sha, tv in seen[:6])
 
 
 def line_problem(obj: Any) -> str | None:

@@ -36,7 +36,7 @@ from experiments.schema import (DIAGNOSIS_FIELDS, DIAGNOSIS_NAME, EVAL_FIELDS, F
                                 SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, coerce)
 
 from analysis.records import (MAX_NAME, as_float, cell, classify, coerce_fields, cut, describe_bad,
-                              finite_mean, line_problem, workload_of)
+                              finite_mean, line_problem, segments_note, workload_of)
 from analysis.targets import COLUMN as TARGET_COLUMN
 from analysis.targets import steps_to_target
 
@@ -45,7 +45,7 @@ __all__ = ["CHUNK_ROWS", "Builder", "DIAGNOSIS_COLUMNS", "EVAL_SCALARS", "FIDELI
            "SUMMARY_COLUMNS", "TRAIN_SCALARS"]
 
 #: Columns of the ``runs`` table taken from ``summary.json`` (in this order).
-SUMMARY_COLUMNS = tuple(k for k in SUMMARY_FIELDS if k != "fingerprint")
+SUMMARY_COLUMNS = tuple(k for k in SUMMARY_FIELDS if k not in ("fingerprint", "segments"))
 
 #: Columns of the ``runs`` table from ``diagnosis.json`` (column -> its key there).
 DIAGNOSIS_COLUMNS = {"diagnosis": "cause", "diagnosis_module": "first_module",
@@ -148,6 +148,8 @@ class Builder:
         if rec["error"] is None and rec["status"] == "incomplete" and not issues:
             rec["error"] = (f"no {SUMMARY_NAME}" if raw_summary is None
                             else "summary still says 'running' (killed or still training)")
+        if (resumed := segments_note((summary or {}).get("segments"))) is not None:
+            issues.append(resumed)
         if rec["status"] == "unknown":
             issues.append("summary status is not a status word")
         if any(rec[k] is None for k in ("strategy", "precision", "workload")):

@@ -206,7 +206,8 @@ def rank_strategies(summary: pd.DataFrame, metric: str = PRIMARY, estimate: str 
     Walking down that order, a strategy shares the rank of the current tier's leader when it
     has the same divergence fraction and its interval overlaps the leader's; otherwise it
     starts a new tier whose rank is its 1-based position (competition ranking: 1, 1, 3).
-    Strategies with no finite value get no rank (``<NA>``) and sort last. Returns the summary's
+    Strategies with no finite value, and groups whose workload, precision or strategy is
+    unknown, get no rank (``<NA>``) and sort last. Returns the summary's
     key columns plus ``rank``, ``tied_with`` (other members of the tier) and ``diverged_frac``.
     """
     est, lo, hi = f"{metric}_{estimate}", f"{metric}_{estimate}_lo", f"{metric}_{estimate}_hi"
@@ -215,8 +216,10 @@ def rank_strategies(summary: pd.DataFrame, metric: str = PRIMARY, estimate: str 
         cell = cell.copy()
         denom = (cell["n_completed"] + cell["n_diverged"]).replace(0, np.nan)
         cell["diverged_frac"] = (cell["n_diverged"] / denom).fillna(1.0)
-        cell["_est"] = cell[est].fillna(np.inf)
-        cell = cell.sort_values(["diverged_frac", "_est", "strategy"]).reset_index(drop=True)
+        # A group whose identity is incomplete (its runs are "not compared") is never ranked.
+        cell["_unknown"] = cell[GROUP_KEYS].isna().any(axis=1)
+        cell["_est"] = cell[est].mask(cell["_unknown"]).fillna(np.inf)
+        cell = cell.sort_values(["_unknown", "diverged_frac", "_est", "strategy"]).reset_index(drop=True)
         ranks: list[int] = []
         leader: pd.Series | None = None
         for pos, row in cell.iterrows():

@@ -81,11 +81,13 @@ TORCH_LIBRARY(scalelab, m) {
       "underflow_target_update_(Tensor(a!) scale, Tensor(b!) exp_hist, Tensor found_inf, float target, "
       "float target_max, float smallest_normal, float growth_factor, float backoff_factor, int max_shift, "
       "bool observed) -> ()");
-  // tolerance: fairseq's DynamicLossScaler; scalar state, fault (int64) only with on_min_scale="raise".
+  // tolerance: fairseq's DynamicLossScaler; scalar state, fault (int64) only with on_min_scale="raise",
+  // scale_window (int64) only with window_follows_scale (metaseq).
   m.def(
       "tolerance_update_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) since_rescale, "
       "Tensor(d!) overflows, Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
-      "float tolerance, float? threshold, Tensor(e!)? fault=None, float? min_scale=None, int step=0) -> ()");
+      "float tolerance, float? threshold, Tensor(e!)? fault=None, float? min_scale=None, int step=0, "
+      "Tensor(f!)? scale_window=None) -> ()");
   // layerwise rule adaloss: blame, AdaLoss's scales from the loss down, bounds, statistics cleared.
   m.def(
       "adaloss_step_(Tensor(a!) scales, Tensor(b!) origin, Tensor(c!) g2, Tensor(d!) n, Tensor(e!) gmax, "

@@ -35,6 +35,7 @@ __all__ = [
     "LOCK_NAME",
     "REPLACED_PREFIX",
     "REPLACED_SUFFIX",
+    "SEGMENT_KEYS",
     "EVAL_FIELDS",
     "FIDELITY_FIELDS",
     "Field",
@@ -117,6 +118,10 @@ TRAIN_FIELDS = _fields(
     Field("strategy_time_s", float, "wall time spent in the strategy, its boundary hooks included"),
     Field("probe_time_s", float, "cumulative wall time of a strategy's fp32 probes", optional=True),
     Field("telemetry", "dict", "the strategy's own telemetry beyond the keys above (e.g. ema, candidate)", optional=True),
+    Field("reward", float, "rl workload: mean reward of the current rollout batch (sampled in the run's precision)",
+          optional=True),
+    Field("kl_ref", float, "rl workload: KL(policy || initial policy) per completion token of that batch, exact "
+          "over the vocabulary, in fp32", optional=True),
 )
 
 EVAL_FIELDS = _fields(
@@ -124,6 +129,8 @@ EVAL_FIELDS = _fields(
     Field("step", int, "step of the evaluation"),
     Field("eval_loss", float, "mean validation loss"),
     Field("eval_metric", float, "bits per character (text) or accuracy (classifiers)", optional=True),
+    Field("eval_reward", float, "rl workload: mean reward of one sample per fixed evaluation prompt, sampled in the "
+          "run's precision", optional=True),
 )
 
 FIDELITY_FIELDS = _fields(
@@ -187,6 +194,8 @@ SUMMARY_FIELDS = _fields(
     Field("final_eval_loss", float, "eval loss at the end", optional=True),
     Field("best_eval_loss", float, "lowest eval loss", optional=True),
     Field("final_eval_metric", float, "eval metric at the end", optional=True),
+    Field("final_reward", float, "rl workload: eval_reward at the end (the court's primary metric for rl)",
+          optional=True),
     Field("skipped_steps", int, "optimizer steps skipped"),
     Field("mean_step_time_s", float, "mean step time after warm-up", optional=True),
     Field("strategy_overhead_s", float, "mean per-step strategy time", optional=True),
@@ -197,8 +206,18 @@ SUMMARY_FIELDS = _fields(
     Field("fidelity_time_s", float, "total wall time of the fidelity probes", optional=True),
     Field("diagnosis", str, "the doctor's cause (one of strategies.doctor.CAUSES) when it diagnosed the run", optional=True),
     Field("diverged", bool, "status == diverged"),
+    Field("survived", bool, "status == completed: the run trained to its last step (not diverged, stalled or "
+          "failed); a running summary says false"),
+    Field("keep_fp32", "str_list", "modules the model ran in fp32 under autocast (model.keep_fp32; the "
+          "keep-module-in-fp32 remedy)", optional=True),
     Field("fingerprint", "dict", "git_sha, git_dirty, config, overrides, torch_version, device, hostname"),
+    Field("segments", "list", "one entry per process that ran part of the run, oldest first: start_step "
+          "(the checkpoint step it resumed from, 0 for the first), steps (its train.steps), git_sha, git_dirty, "
+          "torch_version, device, hostname (SEGMENT_KEYS)", optional=True),
 )
+
+SEGMENT_KEYS = ("start_step", "steps", "git_sha", "git_dirty", "torch_version", "device", "hostname")
+"""The keys of one ``segments`` entry of ``summary.json`` (and of the checkpoint's ``segments``)."""
 
 DIAGNOSIS_FIELDS = _fields(
     Field("status", str, "the run's status when the doctor ran (diverged, stalled or failed)"),

@@ -32,7 +32,10 @@ from strategies.formats import round_down_pow2
 from strategies.gradscaler_api import GradScalerAccessors
 from strategies.params import ScalerParams, bind_arguments, sign_init, signature
 from strategies.state import RuleState, ScaleFloorError, State, base_state, raise_fault, record_step_, telemetry_of
-from strategies.stats import GradStats, distributed_mode, gather
+from strategies.agreement import check_ranks_agree
+from strategies.gather import gather
+from strategies.sharding import distributed_mode
+from strategies.stats import GradStats
 
 __all__ = ["Strategy"]
 
@@ -118,6 +121,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self._last_stats: GradStats | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
         self._bound: dict[str, tuple[Any, ...]] = {}  # op -> run_update's cached binding.bind(...)
+        self._ranks_agree = False  # checked at the first gather under a process group (strategies.agreement)
 
     # ------------------------------------------------------------------ hooks (see class docstring)
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
@@ -199,6 +203,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         self.state.scale.copy_(self._round(scale).expand_as(self.state.scale))
         self.state.growth_tracker.copy_(tracker.expand_as(self.state.growth_tracker))
         self._last_stats = None
+        self._ranks_agree = False
 
     def _round(self, scale: torch.Tensor) -> torch.Tensor:
         return round_down_pow2(scale) if self.pow2_scales else scale
@@ -240,7 +245,8 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             if isinstance(val, torch.Tensor):
                 if self.state is None:
                     self._lazy_init(val.device)
-                return val * self.output_scale().to(device=val.device, non_blocking=True)
+                scaled = val * self.output_scale().to(device=val.device, non_blocking=True)
+                return scaled.type(val.dtype) if self.params.distributed == "sharded" else scaled  # as ShardedGradScaler
             if isinstance(val, Iterable) and not isinstance(val, (str, bytes)):
                 iterable = map(apply, val)
                 return type(val)(iterable) if isinstance(val, (list, tuple)) else iterable
@@ -248,20 +254,22 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
 
         return self.after_scale(apply(outputs))
 
-    def _wants_stats(self) -> bool:
-        return self.needs_stats or self.params.track_stats
-
     def _distributed_mode(self) -> str | None:
-        """``"replicated"``/``"sharded"`` when statistics must be reduced across ranks, else None."""
+        """The ``distributed`` setting when a process group is up, else None (:mod:`strategies.sharding`)."""
         return distributed_mode(self.params.distributed)
 
     def _gather(self, optimizer: torch.optim.Optimizer, unscale: bool = True) -> None:
-        """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record
-        found_inf and the statistics (:func:`strategies.stats.gather`)."""
+        """Unscale ``optimizer``'s gradients (or only read them, ``unscale=False``) and record found_inf
+        and the statistics (:func:`strategies.gather.gather`); first, under a process group, check once
+        that every rank holds the same scaler state (:func:`strategies.agreement.check_ranks_agree`)."""
         state = self._check_initialized("unscale_")
-        found, stats = gather(optimizer, state.scale, unscale=unscale, with_stats=self._wants_stats(),
-                              group_index=self.group_index if self.per_group else None,
-                              num_groups=self.num_groups, mode=self._distributed_mode())
+        mode = self._distributed_mode()
+        if mode is not None and not self._ranks_agree:
+            self._ranks_agree = check_ranks_agree(self)
+        found, stats = gather(optimizer, state.scale, unscale=unscale, mode=mode, who=self.name,
+                              with_stats=self.needs_stats or self.params.track_stats,
+                              group_index=self.group_index if self.per_group else None, num_groups=self.num_groups,
+                              allow_fp16=self.params.distributed == "sharded")
         self._per_optimizer_states[id(optimizer)].update(found_inf_per_device=found, stats=stats)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

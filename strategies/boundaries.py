@@ -1,9 +1,8 @@
 """Layer boundaries: the one place where anything hooks the activation gradients between layers.
 
-A model's **layers** (:func:`layers`) are the names of its ``boundaries`` attribute when it
-declares one, else every top-level child module that owns trainable parameters, looking inside
-containers that are never called themselves (``ModuleList``, ``ModuleDict``), in registration
-order — so ``embed``, ``blocks.0``, ``blocks.1``, ``ln_f``, ``head`` for a nanoGPT-style model.
+A model's **layers** are :func:`strategies.model_layers.layers` (its declared ``boundaries``,
+else its children that own parameters, opened down to its repeated blocks) — so ``embed``,
+``blocks.0``, ``blocks.1``, ``ln_f``, ``head`` for a nanoGPT-style model.
 
 Three kinds of user transform the gradient that leaves a layer's output on its way down in
 backward, and :class:`Boundaries` applies them in this fixed, documented order:
@@ -14,15 +13,16 @@ backward, and :class:`Boundaries` applies them in this fixed, documented order:
    so the value is quantised at the scale the receiving layer computes with;
 3. ``"observe"`` — telemetry: read-only measurements of what the layer below receives.
 
-Each hooked module gets one forward hook, however many users. A host-side :class:`Trace`
-records the hooked calls of one forward pass in order. Each tensor output ``t`` of a call is
-returned as ``t.view_as(t)`` — an ordinary view, so the consumers' ops (the other side of the
-boundary) and the module's own ops (which may have saved ``t``) see two tensors — with one tensor
-hook (``Tensor.register_hook``) that runs the users' transforms of that call in stage order, so
-the result never depends on which user attached first (tested). An ordinary view with a hook, not
-an identity autograd Function: a later in-place op on the output (torchvision's
-``ReLU(inplace=True)`` after a hooked ``BatchNorm``) is allowed (a custom Function's view output
-refuses it), and the hook still receives the gradient of the value the module returned.
+Each hooked module gets one forward hook (and one pre-hook, below), however many users. A
+host-side :class:`Trace` records the hooked calls of one forward pass in order. Each tensor
+output ``t`` of a call is returned as ``t.view_as(t)`` — an ordinary view, so the consumers' ops
+(the other side of the boundary) and the module's own ops (which may have saved ``t``) see two
+tensors — with one tensor hook (``Tensor.register_hook``) that runs the users' transforms of
+that call in stage order, so the result never depends on which user attached first (tested). An
+ordinary view with a hook, not an identity autograd Function: a later in-place op on the output
+(torchvision's ``ReLU(inplace=True)`` after a hooked ``BatchNorm``) is allowed (a custom
+Function's view output refuses it), and the hook still receives the gradient of the value the
+module returned.
 
 **Traces.** The model's own forward starts a trace and closes it when it returns. Hooked modules
 called outside it (models in a never-called ``ModuleList``, called one by one) share a trace
@@ -31,21 +31,18 @@ the called modules and its users' bookkeeping, never autograd nodes, so nothing 
 outlives the step through it; the graph refers to its trace (the hooks and the node marks below),
 not the other way round.
 
-**Links** (:func:`reached`). The autograd node of each returned view, and the producer's output
-behind it, are marked with their call (``node.metadata``). Walking the graph down from some
-tensors (a call's inputs, a loss) through unmarked nodes finds the calls whose outputs they
-consume through other ops — ``layerwise`` uses this to learn, for each call, which group consumes
-its output. A walk that arrives at a producer's output around its view (an in-place op on the
-view: autograd's ``CopySlices`` sends the gradient to the producer, past the view's hook) moves
-that call's transforms onto a pre-hook of the producer node. Every hooked call walks from its
-inputs, and a strategy's ``scale()`` from the loss, so the move happens before any backward.
+**Links** (:mod:`strategies.graph_walk`). The autograd node of each returned view, and the
+producer's output behind it, are marked with their call; :func:`strategies.graph_walk.reached`
+walks down from some tensors (a call's inputs, a loss) to the calls whose outputs they consume.
 
-**Scaled backwards** (:class:`ScaledBackwards`). A strategy's transforms must act only on a
-backward whose loss went through *its* ``scale()``: ``mark`` tags the scaled loss, whose tensor
-hook records the running autograd graph task; ``active()`` asks, from a boundary hook, whether
-the running task is one of those. Any other backward (a plain ``loss.backward()`` for logging,
-an fp32 reference) passes the boundaries untouched. Reentrant backwards (reentrant activation
-checkpointing) run as tasks of their own and are not seen as scaled.
+**Scaled backwards** (:class:`strategies.scaled_backwards.ScaledBackwards`): a strategy's
+transforms act only on a backward whose loss went through *its* ``scale()``.
+
+**Inputs and nesting.** Each hooked module also gets one forward pre-hook: a user's
+``on_inputs`` may pass a :func:`strategies.graph_walk.fence` in place of a tensor argument (``layerwise`` converts
+there the gradient a call sends into an output that an earlier group already consumes), and a
+call made while another call of the same user's modules is in progress (an aliased module inside
+a group, a recursion) is nested: that user sees only the outer call.
 """
 
 from __future__ import annotations
@@ -58,36 +55,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-__all__ = ["STAGES", "Boundaries", "ScaledBackwards", "Trace", "layers", "reached", "tensors_in"]
+from strategies.graph_walk import mark, reached, tensors_in
+
+__all__ = ["STAGES", "Boundaries", "Trace"]
 
 STAGES = ("rescale", "quantize", "observe")
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
-_MARK = "scalelab.boundary"  # node.metadata key: {output_nr: [(trace, call index), ...]}
 
 GradFn = Callable[["Trace", int, torch.Tensor], "torch.Tensor | None"]
-
-
-def layers(model: torch.nn.Module) -> list[str]:
-    """The model's layer names (see the module docstring)."""
-    declared = getattr(model, "boundaries", None)
-    if declared:
-        return [str(n) for n in declared]
-    found: list[str] = []
-
-    def visit(prefix: str, parent: torch.nn.Module) -> None:
-        for n, m in parent.named_children():
-            if not any(p.requires_grad for p in m.parameters()):
-                continue
-            if isinstance(m, _CONTAINERS):  # never called itself: its members are
-                visit(f"{prefix}{n}.", m)
-            else:
-                found.append(f"{prefix}{n}")
-
-    visit("", model)
-    return found
 
 
 @dataclass(eq=False)
@@ -100,6 +77,7 @@ class Trace:
     calls: list[torch.nn.Module] = field(default_factory=list)
     data: dict[Any, Any] = field(default_factory=dict)
     closed: bool = False
+    open: list[torch.nn.Module] = field(default_factory=list)  # hooked calls in progress (nesting)
 
 
 @dataclass(eq=False)
@@ -110,7 +88,8 @@ class _User:
     on_call: Callable[[Trace, int], None] | None
     on_end: Callable[[Trace], None] | None
     when: Callable[[], bool] | None
-    on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None
+    on_link: Callable[[Trace, int, list[tuple[Trace, int]], list[torch.Tensor]], None] | None = None
+    on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None
     owner: Any = None
     seconds: float = 0.0  # host time spent in this user's callbacks so far
 
@@ -136,76 +115,8 @@ class Handle:
         self._owner._remove(self._user)
 
 
-def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """The tensors in nested lists/tuples/dicts (other iterables are left unread)."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool]) -> list[tuple[Trace, int]]:
-    """The hooked calls ``(trace, i)`` with ``stop(trace, i)`` whose outputs ``tensors`` depend on
-    through other ops: a walk down the autograd graph from the tensors that ends at the marked
-    output of such a call and goes on through everything else (host-side; it visits only the
-    ops between the tensors and those calls). A walk that reaches a call's output around its
-    returned view (an in-place op on the view) moves that call's transforms onto the producer."""
-    found: list[tuple[Trace, int]] = []
-    stack = [(t.grad_fn, t.output_nr) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[tuple[Any, int]] = set()
-    expanded: set[Any] = set()
-    while stack:
-        edge = stack.pop()
-        if edge in seen:
-            continue
-        seen.add(edge)
-        node, nr = edge
-        marks = node.metadata.get(_MARK)
-        hit = False
-        for trace, i, hook, around in marks.get(nr, ()) if marks else ():
-            if around and hook is not None:
-                hook.move_to(node, nr)
-            if stop(trace, i):
-                hit = True
-                if (trace, i) not in found:
-                    found.append((trace, i))
-        if not hit and node not in expanded:
-            expanded.add(node)
-            stack.extend((n, k) for n, k in node.next_functions if n is not None)
-    return found
-
-
 def _any(trace: Trace, i: int) -> bool:
     return True
-
-
-class ScaledBackwards:
-    """The autograd graph tasks (backward passes) whose root went through one strategy's
-    ``scale()`` (module docstring). ``torch._C._current_graph_task_id`` is the id torch's own
-    ``torch.utils.checkpoint`` uses for the same question."""
-
-    def __init__(self) -> None:
-        self._tasks: set[int] = set()
-
-    def mark(self, outputs: Any) -> Any:
-        """Tag the scaled tensors in ``outputs`` (a tensor, or nested lists/tuples/iterables of
-        them, as ``scale()`` returns) and return it unchanged (lazily for other iterables)."""
-        if isinstance(outputs, torch.Tensor):
-            if outputs.requires_grad:
-                outputs.register_hook(self._arm)
-        elif isinstance(outputs, (list, tuple)):
-            for o in outputs:
-                self.mark(o)
-        elif isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
-            return map(self.mark, outputs)
-        return outputs
-
-    def _arm(self, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task not in self._tasks:
-            self._tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._tasks.discard(task))
-
-    def active(self) -> bool:
-        """True inside a backward whose root went through :meth:`mark`."""
-        return torch._C._current_graph_task_id() in self._tasks
 
 
 class _Hook:
@@ -214,8 +125,7 @@ class _Hook:
     walk, :meth:`move_to`) — a pre-hook on the node that produced the output."""
 
     def __init__(self, chain: list[_User], trace: Trace, i: int) -> None:
-        self.chain, self.trace, self.i = chain, trace, i
-        self.moved = False
+        self.chain, self.trace, self.i, self.moved = chain, trace, i, False
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor | None:
         if self.moved:
@@ -254,10 +164,7 @@ class Boundaries:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "Boundaries":
-        inst = cls._instances.get(model)
-        if inst is None:
-            inst = cls._instances[model] = cls(model)
-        return inst
+        return cls._instances.get(model) or cls._instances.setdefault(model, cls(model))
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model_ref = weakref.ref(model)
@@ -290,28 +197,34 @@ class Boundaries:
         on_call: Callable[[Trace, int], None] | None = None,
         on_end: Callable[[Trace], None] | None = None,
         when: Callable[[], bool] | None = None,
-        on_link: Callable[[Trace, int, list[tuple[Trace, int]]], None] | None = None,
+        on_link: Callable[[Trace, int, list[tuple[Trace, int]], list[torch.Tensor]], None] | None = None,
+        on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None,
         owner: Any = None,
     ) -> Handle:
         """Call ``on_call(trace, i)`` at each call of one of ``modules`` (forward, grad enabled),
-        ``on_end(trace)`` when the model's forward returns, and ``on_grad(trace, i, g)`` in
-        backward with the gradient of call ``i``'s output (return a replacement or ``None``).
-        ``when()``, if given, is asked at each call in forward: False leaves this call's gradient
-        untouched by ``on_grad`` (decided in forward, so a backward run later agrees).
-        ``on_link(trace, i, below)``: at each call, this user's earlier calls whose outputs the
-        call's tensor arguments consume (:func:`reached`). ``owner`` (a strategy): refused with one
-        ``ValueError`` while another owner has hooks on this model or on one of its modules."""
+        ``on_end(trace)`` when the model's forward returns, and ``on_grad(trace, i, g)`` in backward
+        with the gradient of call ``i``'s output (return a replacement or ``None``). ``when()``, if
+        given, is asked at each call in forward: False leaves this call's gradient untouched by
+        ``on_grad`` (decided in forward, so a backward run later agrees). ``on_link(trace, i, below,
+        leaves)``: at each call, this user's earlier calls whose outputs the call's tensor arguments
+        consume, and the leaves the ops between use (:func:`reached`). ``on_inputs(module, t)``:
+        before each call, each tensor argument that requires grad; a returned tensor (a
+        :func:`strategies.graph_walk.fence`) is passed instead. A call made inside another call of
+        the same user's modules (an aliased module, a recursion) is nested: that user sees only the
+        outer one. ``owner`` (a strategy): refused with one ``ValueError`` while another owner has
+        hooks on this model or on one of its modules."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
         modules = list(modules)
         if owner is not None:
             self._refuse_second_owner(owner)
-        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, owner)
+        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, on_inputs, owner)
         self._users.append(user)
         self._users.sort(key=lambda u: STAGES.index(u.stage))  # stable: same stage keeps its order
         for m in modules:
             if id(m) not in self._hooks:
-                self._hooks[id(m)] = m.register_forward_hook(self._on_output, with_kwargs=True)
+                self._hooks[id(m)] = (m.register_forward_pre_hook(self._on_input, with_kwargs=True),
+                                      m.register_forward_hook(self._on_output, with_kwargs=True))
         model = self._model_ref()
         if model is not None and not self._root_hooks:
             self._root_hooks = [model.register_forward_pre_hook(self._start),
@@ -336,7 +249,8 @@ class Boundaries:
         still = set().union(*(u.modules for u in self._users)) if self._users else set()
         for mid in list(self._hooks):
             if mid not in still:
-                self._hooks.pop(mid).remove()
+                for h in self._hooks.pop(mid):
+                    h.remove()
         if not self._users:
             for h in self._root_hooks:
                 h.remove()
@@ -360,24 +274,55 @@ class Boundaries:
                 if u.on_end is not None:
                     _timed(u, u.on_end, trace)
 
+    def _current(self) -> Trace:
+        if self.trace is None or self.trace.closed:  # called outside the model's own forward
+            self.trace = Trace()
+        return self.trace
+
+    @staticmethod
+    def _outer(users: list[_User], module: torch.nn.Module, trace: Trace) -> list[_User]:
+        """The users of ``module`` for whom this call is not nested in a call of their modules."""
+        return [u for u in users if id(module) in u.modules and not any(id(m) in u.modules for m in trace.open)]
+
+    def _on_input(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._disabled or not torch.is_grad_enabled():
+            return None
+        trace = self._current()
+        users = [u for u in self._outer(self._users, module, trace) if u.on_inputs is not None]
+        trace.open.append(module)
+        changed = False
+
+        def swap(t: Any) -> Any:
+            nonlocal changed
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                for u in users:
+                    new = _timed(u, u.on_inputs, module, t)
+                    if new is not None:
+                        t, changed = new, True
+            return t
+
+        new_args, new_kwargs = tree_map(swap, (args, kwargs)) if users else (args, kwargs)
+        return (new_args, new_kwargs) if changed else None
+
     def _on_output(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self._disabled or not torch.is_grad_enabled():
             return None
-        if self.trace is None or self.trace.closed:  # called outside the model's own forward
-            self.trace = Trace()
-        trace = self.trace
+        trace = self._current()
+        if module in trace.open:  # the innermost call of this module is the one returning
+            del trace.open[len(trace.open) - 1 - trace.open[::-1].index(module)]
         i = len(trace.calls)
         trace.calls.append(module)
         inputs = tensors_in((args, kwargs))
         reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
-        users = [u for u in self._users if id(module) in u.modules]
+        users = self._outer(self._users, module, trace)
         for u in users:
             if u.on_call is not None:
                 _timed(u, u.on_call, trace, i)
             if u.on_link is not None:
-                below = _timed(u, reached, inputs,
-                               lambda tr, k, u=u: id(tr.calls[k]) in u.modules)  # type: ignore[misc]
-                _timed(u, u.on_link, trace, i, below)
+                leaves: list[torch.Tensor] = []
+                mine = u.modules
+                below = _timed(u, reached, inputs, lambda tr, k: id(tr.calls[k]) in mine, leaves)
+                _timed(u, u.on_link, trace, i, below, leaves)
         chain = [u for u in users if u.on_grad is not None and (u.when is None or u.when())]
         hook = _Hook(chain, trace, i) if chain else None
 
@@ -387,7 +332,7 @@ class Boundaries:
             out = t.view_as(t)  # consumers' side of the boundary; the module's own ops keep t
             for node, nr, around in ((out.grad_fn, 0, False), (t.grad_fn, t.output_nr, True)):
                 if node is not None:
-                    node.metadata.setdefault(_MARK, {}).setdefault(nr, []).append((trace, i, hook, around))
+                    mark(node, nr, trace, i, hook, around)
             if hook is not None:
                 out.register_hook(hook)
             return out

@@ -3,7 +3,7 @@
 
 * :func:`capture_rng` / :func:`restore_rng`: the RNG state a forward draws its dropout masks from
   (CPU, and the device's when it is CUDA), so a reference pass sees the same masks;
-* :func:`layer_of`: which layer (:func:`strategies.boundaries.layers`) owns each parameter,
+* :func:`layer_of`: which layer (:func:`strategies.model_layers.layers`) owns each parameter,
   ``"other"`` for those outside every layer;
 * :func:`layer_sums`: per layer, in float64, ``<g, r>``, ``||g||^2``, ``||r||^2``,
   ``||g - r||^2``, ``#{r != 0}`` and ``#{r != 0 and g == 0}`` (the entries the low-precision
@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from strategies.boundaries import layers
+from strategies.model_layers import layers
 
 __all__ = ["LAYER_SUMS", "RngState", "capture_rng", "layer_of", "layer_sums", "restore_rng"]
 

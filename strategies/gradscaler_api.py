@@ -132,6 +132,7 @@ class GradScalerAccessors:
             return
         params, updates, values = from_state_dict(self, state_dict)
         self.params, self.updates = params, updates
+        self._ranks_agree = False  # under a process group the next step checks the ranks hold the same state
         # GradScaler.load_state_dict sets _init_scale / _init_growth_tracker (both validated above)
         self._init_values = {"scale": float(state_dict["scale"]), "growth_tracker": int(state_dict["_growth_tracker"])}
         if self.state is not None:

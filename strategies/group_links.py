@@ -17,9 +17,15 @@ result leaves the format's range (seed 003, section 3.3):
   them, else the group of the latest: the group nearest the loss). Several models feeding one
   loss, several losses (``retain_graph=True``), an auxiliary loss on an inner activation at the
   scale of the group consuming it: all exact.
-* An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
-  skip connection across a group boundary), is refused with one ``ValueError`` (:func:`link`) at
-  the forward pass that does it; a skip connection inside a group is exact.
+* An output read again by a later call of another group c (T5's encoder output, read by every
+  decoder block) is exact: before that call, an argument that consumes only outputs already
+  consumed at one group a's scale is fenced (:meth:`GroupLinks.fan_in`), and the gradient the
+  call sends into it is multiplied by ``S_a / S_c`` there, so the ops below keep a's scale.
+  Any other output consumed at two scales (an argument that mixes it with outputs consumed
+  elsewhere, a loss scaled at another group's scale: a skip connection across a group boundary)
+  is refused with one ``ValueError`` (:func:`link`) at the forward pass that does it; a skip
+  connection inside a group is exact. So is a grouped parameter that the ops between group calls
+  use at another group's scale (:meth:`GroupLinks.refuse_glue`).
 * Gradient penalty: in a create_graph backward each boundary returns ``g * S_a/S_b`` with
   derivative 1 (:class:`StraightThrough`), and :func:`unscale` returns each parameter gradient
   ``g / S_l`` with derivative ``1 / S_out`` (``S_out`` the loss-side scale): in the second
@@ -35,7 +41,8 @@ from typing import Any, Sequence
 
 import torch
 
-from strategies.boundaries import Trace, reached, tensors_in
+from strategies.boundaries import Trace
+from strategies.graph_walk import reached, tensors_in
 
 __all__ = ["GroupLinks", "Links", "StraightThrough", "Unscale", "link", "rescale", "times", "unscale"]
 
@@ -101,9 +108,11 @@ class GroupLinks:
     forward passes told about them: the :class:`Links` of each trace (keyed by this object in
     ``trace.data``) and the groups called since the last update."""
 
-    def __init__(self, names: list[str], module_group: dict[int, int]) -> None:
+    def __init__(self, names: list[str], module_group: dict[int, int], param_group: dict[int, int] | None = None,
+                 param_names: dict[int, str] | None = None) -> None:
         self.names = names
         self.module_group = module_group
+        self.param_group, self.param_names = param_group or {}, param_names or {}
         self.called: set[int] = set()
         self.called_at = -1  # the update the called groups belong to
 
@@ -125,12 +134,41 @@ class GroupLinks:
             self.called, self.called_at = set(), updates
         self.called.add(self.group_of(trace, i))
 
-    def on_link(self, trace: Trace, i: int, below: list[tuple[Trace, int]]) -> None:
-        """Call i's tensor arguments consume the outputs of ``below``: their gradient arrives at
-        call i's group's scale."""
+    def on_link(self, trace: Trace, i: int, below: list[tuple[Trace, int]], leaves: list[torch.Tensor]) -> None:
+        """Call i's tensor arguments consume the outputs of ``below`` (and ``leaves``, through the
+        ops between): their gradient arrives at call i's group's scale."""
         g = self.group_of(trace, i)
         for tr, k in below:
             link(self.links(tr), k, g, self.names[self.group_of(tr, k)], f"group {self.names[g]!r}", self.names)
+        self.refuse_glue(leaves, g)
+
+    def refuse_glue(self, leaves: list[torch.Tensor], g: int) -> None:
+        """Raise ``ValueError`` for a grouped parameter of another group than g used by the ops
+        whose gradient carries g's scale, outside the calls of its group's modules (``F.linear(x,
+        self.wte.weight)`` in a parent's forward; the members of a group that is a ModuleList):
+        its gradient would mix two scales."""
+        for p in leaves:
+            own = self.param_group.get(id(p), g)
+            if own != g:
+                raise ValueError(
+                    f"layerwise: parameter {self.param_names.get(id(p), '?')!r} (group {self.names[own]!r}) is used "
+                    f"outside the calls of its group's modules, by ops at group {self.names[g]!r}'s scale (a "
+                    "functional use in a parent's forward, or a group of modules never called themselves, such as a "
+                    "ModuleList): its gradient would mix two scales. Use it through a module that owns it, or pass "
+                    "groups=[...] patterns of modules that are called, with such a parent in one group")
+
+    def fan_in(self, module: torch.nn.Module, t: torch.Tensor) -> tuple[int, int, Links] | None:
+        """Before a call of ``module`` (group b): ``(a, b, links)`` when its argument ``t``
+        consumes only outputs whose gradient already arrives at one other group a's scale (an
+        output an earlier group consumes: T5's encoder output, read by every decoder block), so
+        the gradient the call sends into ``t`` must be converted by S_a / S_b; else None (the
+        links recorded after the call decide, and refuse a mix)."""
+        b = self.module_group[id(module)]
+        found = reached([t], self.mine)
+        consumers = {self.links(tr).consumer.get(k) for tr, k in found}
+        if len(consumers) != 1 or None in consumers or b in consumers:
+            return None
+        return consumers.pop(), b, self.links(found[0][0])
 
     def place_loss(self, outputs: Any, trace: Trace | None) -> int | None:
         """The loss-side group for ``outputs`` (``trace``: the current one): the group already
@@ -141,7 +179,8 @@ class GroupLinks:
         current = trace.data.get(self) if trace is not None else None
         if current is not None and current.double:
             return current.loss_group
-        found = reached(tensors_in(outputs), self.mine)
+        leaves: list[torch.Tensor] = []
+        found = reached(tensors_in(outputs), self.mine, leaves)
         if not found:
             return None
         labels = [self.links(tr).consumer[k] for tr, k in found if k in self.links(tr).consumer]
@@ -154,6 +193,7 @@ class GroupLinks:
         for tr, k in found:
             link(self.links(tr), k, group, self.names[self.group_of(tr, k)], by, self.names)
             self.links(tr).loss_group = group
+        self.refuse_glue(leaves, group)
         return group
 
     def ends(self, trace: Trace, i: int) -> tuple[int, int, Links]:

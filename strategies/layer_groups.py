@@ -1,13 +1,17 @@
 """Layer groups of a per-layer strategy: which modules form a group, and the checks that keep
 per-group scales exact.
 
-* :func:`resolve` — the default groups are the model's layers (:func:`strategies.boundaries.layers`),
+* :func:`resolve` — the default groups are the model's layers (:func:`strategies.model_layers.layers`),
   else one group per fnmatch pattern over module names (outermost match, first pattern wins);
-* tied weights: a parameter owned by modules of two groups (nanoGPT and GPT-2 tie the token
-  embedding to the LM head) would collect gradient contributions at two scales and be unscaled
-  by one. :func:`resolve` merges such groups into one (named ``"a+b"``, with one warning). A
-  merged group may be called at several places of the chain; the per-call rescaling handles
-  that, so merging is exact;
+* tied weights: a parameter collects a gradient contribution at every call of a module that
+  owns it, each at the scale the gradient has there, and is unscaled by its group's one scale.
+  So :func:`resolve` makes every owner part of the parameter's group: an owner outside every
+  group module (T5 in transformers 5: ``encoder.embed_tokens`` is an ``nn.Embedding`` of its own
+  sharing ``shared.weight``) joins it, and groups whose modules share a parameter (nanoGPT and
+  GPT-2 tie the token embedding to the LM head) merge into one (named ``"a+b"``); one warning
+  says both. A group may be called at several places of the chain; the per-call rescaling
+  handles that, and an owner called inside a module of its own group (an alias of a module
+  inside a group) is nested there (:mod:`strategies.boundaries`), so every case is exact;
 * :func:`assign` — the groups and each trainable parameter's group (every one must have one);
 * skip connections, and the links between groups that keep per-group scales exact, are
   :mod:`strategies.group_links`'s;
@@ -22,7 +26,7 @@ import warnings
 
 import torch
 
-from strategies.boundaries import layers
+from strategies.model_layers import layers
 
 __all__ = ["Groups", "assign", "overflow_origin", "resolve"]
 
@@ -46,8 +50,32 @@ def _by_patterns(model: torch.nn.Module, patterns: list[str]) -> Groups:
     return out
 
 
-def _merge_tied(model: torch.nn.Module, groups: Groups) -> Groups:
-    """Merge groups whose modules share a parameter (union-find over group indices)."""
+def _join_owners(model: torch.nn.Module, groups: Groups) -> list[str]:
+    """Add to each grouped parameter's group the modules that own it directly and are reached at
+    a path outside every group module (in place); returns ``"module owns parameter"`` lines."""
+    group_of: dict[int, int] = {}
+    for gi, (_, mods) in enumerate(groups):
+        for m in mods:
+            for p in m.parameters():
+                group_of.setdefault(id(p), gi)
+    members = {id(m) for _, mods in groups for m in mods}
+    at = dict(model.named_modules(remove_duplicate=False))
+    names = {id(p): n for n, p in model.named_parameters()}
+    joined: list[str] = []
+    for path, mod in at.items():
+        own = [p for p in mod.parameters(recurse=False) if id(p) in group_of]
+        parts = path.split(".") if path else []
+        inside = any(id(at[".".join(parts[:k])]) in members for k in range(len(parts) + 1))
+        if own and not inside and id(mod) not in members:
+            members.add(id(mod))
+            groups[group_of[id(own[0])]][1].append(mod)
+            joined.append(f"{path or type(model).__name__} owns {names[id(own[0])]}")
+    return joined
+
+
+def _merge_tied(model: torch.nn.Module, groups: Groups) -> tuple[Groups, list[str]]:
+    """Merge groups whose modules share a parameter (union-find over group indices); the groups
+    and the shared parameters (``"a.weight = b.weight"``)."""
     root = list(range(len(groups)))
 
     def find(g: int) -> int:
@@ -68,26 +96,34 @@ def _merge_tied(model: torch.nn.Module, groups: Groups) -> Groups:
                     root[find(gi)] = find(first)
                     shared.append(" = ".join(names.get(id(p), ["?"])))
     if not shared:
-        return groups
+        return groups, []
     merged: dict[int, tuple[list[str], list[torch.nn.Module]]] = {}
     for gi, (name, mods) in enumerate(groups):
         entry = merged.setdefault(find(gi), ([], []))
         entry[0].append(name)
         entry[1].extend(m for m in mods if all(m is not x for x in entry[1]))
-    out = [("+".join(n), mods) for n, mods in merged.values()]
-    joined = [n for n, _ in out if "+" in n]
-    warnings.warn(f"layerwise: parameters {sorted(set(shared))} are shared between groups (tied weights); "
-                  f"merged into one group each: {joined}", stacklevel=4)
-    return out
+    return [("+".join(n), mods) for n, mods in merged.values()], sorted(set(shared))
 
 
 def resolve(model: torch.nn.Module, patterns: list[str] | None) -> Groups:
-    """The groups of ``model``: its layers, or one per pattern; groups sharing parameters merged."""
+    """The groups of ``model``: its layers, or one per pattern; every module owning a grouped
+    parameter in its group, groups sharing parameters merged (module docstring; one warning)."""
     if patterns is None:
         groups: Groups = [(name, [model.get_submodule(name)]) for name in layers(model)]
     else:
         groups = _by_patterns(model, patterns)
-    return _merge_tied(model, groups)
+    joined = _join_owners(model, groups)
+    groups, shared = _merge_tied(model, groups)
+    said = []
+    if shared:
+        said.append(f"parameters {shared} are shared between groups (tied weights); merged into one group "
+                    f"each: {[n for n, _ in groups if '+' in n]}")
+    if joined:
+        said.append(f"modules outside every group own grouped parameters ({'; '.join(joined)}): "
+                    "each joined that parameter's group, so its gradient keeps one scale")
+    if said:
+        warnings.warn("layerwise: " + "; ".join(said), stacklevel=4)
+    return groups
 
 
 def assign(model: torch.nn.Module, patterns: list[str] | None) -> tuple[Groups, dict[int, int]]:

@@ -55,9 +55,12 @@ class ScalerParams:
             step never runs at a scale outside the bounds and no value is silently changed.
         track_stats: gather gradient statistics on every unscale for telemetry. Rules that read
             them (``needs_stats``) gather them regardless.
-        distributed: ``"auto"`` (all-reduce statistics when ``torch.distributed`` is initialised,
-            as replicated gradients), ``"off"``, ``"replicated"`` (DDP: MAX-reduce) or
-            ``"sharded"`` (FSDP/ZeRO: MAX for found_inf/abs-max, SUM for sums and counts).
+        distributed: ``"auto"`` (all-reduce statistics when ``torch.distributed`` is initialised;
+            each gradient's layout detected: FSDP2 DTensor shards and FSDP1 flat parameters
+            sharded, the rest replicated), ``"off"``, ``"replicated"`` (DDP: MAX-reduce) or
+            ``"sharded"`` (FSDP/ZeRO: MAX for found_inf/abs-max, SUM for sums and counts; and
+            ``ShardedGradScaler``'s semantics: the loss keeps its dtype, fp16 gradients are
+            unscaled). See :mod:`strategies.sharding` and docs/strategy-api.md.
     """
 
     device: Optional[str] = hp(None, v.device, "torch.amp.GradScaler")

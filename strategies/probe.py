@@ -8,7 +8,9 @@ oracle):
   set), and the ``on_unscale`` hook that, on a probe step, differentiates the fp32 reference
   loss at the first optimizer unscaled in the step (before any ``optimizer.step()``) and sums the
   squares of the fp32 and of the unscaled mixed-precision gradients over the probed parameters
-  P. :meth:`~ReferenceProbe.probe_sums` hands the step's two sums to the rule, reduced over ranks.
+  P. :meth:`~ReferenceProbe.probe_sums` hands the step's two sums to the rule, reduced over ranks
+  (DDP: reference averaged over ranks, MAX; a ZeRO partition: averaged, summed over the share each
+  rank's optimizers hold, SUM; FSDP: FSDP's own backward, :mod:`strategies.probe_sharded`, SUM).
   Which steps probe is the host-side :meth:`~ReferenceProbe.probe_due` (default: every
   ``probe_interval``-th :meth:`update`, step 0 included). The rule's ``Params`` include
   :class:`ProbeRule` (``probe_interval``, the thresholds, ``probe_layers``); its ``state_spec``
@@ -35,7 +37,9 @@ from strategies import validation as v
 from strategies.params import hp
 from strategies.reference import fp32_loss
 from strategies.state import State
-from strategies.stats import GradStats, mean_over_ranks_
+from strategies.probe_sharded import is_wrapped, wrapped_reference_sumsq
+from strategies.sharding import local, mean_over_ranks_
+from strategies.stats import GradStats
 
 __all__ = ["LOG2_RATIO_CLAMP", "PROBE_STATE", "ProbeRule", "ReferenceProbe", "ratio_probe_"]
 
@@ -137,6 +141,7 @@ class ReferenceProbe:
             v.fail("closure", "callable or None", closure)
         self._closure = closure
         self._ref_params = None if params is None else self._named(params)
+        self._ranks_agree = False  # every rank must probe alike: checked at the next step (strategies.agreement)
 
     def attach(self, model: torch.nn.Module) -> Any:
         """Remember ``model``'s named parameters as the default probed set (no hooks)."""
@@ -188,6 +193,8 @@ class ReferenceProbe:
         self._probe_seen: set[int] = set()
         self._ref_sumsq: torch.Tensor | None = None
         self._mp_sumsq: torch.Tensor | None = None
+        self._ref_parts: list[tuple[int, torch.Tensor]] = []  # sharded partition: (id(param), mean reference)
+        self._probe_reduce: str | None = None  # how the two sums are reduced across ranks
 
     def on_unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """On probe steps (:meth:`probe_due`): the fp32 reference at the first optimizer unscaled
@@ -219,18 +226,36 @@ class ReferenceProbe:
         self._probe_set = params
         self._probe_ids = {id(p) for p in params}
         dev = self.state.scale.device
+        mode = self._distributed_mode()
+        self._probe_reduce = None if mode is None else "replicated"
+        if mode is not None and any(is_wrapped(p) for p in params):  # FSDP: the wrapper's own backward
+            self._probe_reduce = "sharded"
+            touched = [p for _, p in (self._model_params or []) + (self._ref_params or [])]
+            touched += [p for g in optimizer.param_groups for p in g["params"]]
+            self._ref_sumsq = wrapped_reference_sumsq(self._closure, params, touched, dev, self.name)
+            return
         with torch.enable_grad():
             loss = fp32_loss(self._closure, dev.type, self.name)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"{self.name}: the reference closure must return a scalar loss tensor")
             grads = torch.autograd.grad(loss.float().reshape(()), params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-        if self._distributed_mode() == "replicated":
+        if mode is not None:
             # DDP: the mixed-precision gradient is the mean over ranks of each rank's batch
             # gradient, so the reference must be that mean too.
             flat = torch.cat([g.float().reshape(-1).to(dev) for g in grads]) if grads \
                 else torch.zeros(0, device=dev)
-            self._ref_sumsq = mean_over_ranks_(flat).square().sum()
+            mean = mean_over_ranks_(flat)
+            if mode == "sharded":  # a partition (ZeRO): each rank sums the share its optimizers hold
+                if self._ref_params is None and self._model_params is None:
+                    raise ValueError(f"{self.name}: under distributed='sharded' the fp32 probe needs the same parameter "
+                                     "list on every rank: pass params=model.parameters() to set_reference or "
+                                     "attach(model)")
+                self._probe_reduce = "sharded"
+                self._ref_parts = list(zip([id(p) for p in params], mean.split([g.numel() for g in grads])))
+                self._ref_sumsq = mean.new_zeros(())
+                return
+            self._ref_sumsq = mean.square().sum()
             return
         sq = [g.float().square().sum().to(dev) for g in grads]
         self._ref_sumsq = torch.stack(sq).sum() if sq else torch.zeros((), device=dev)
@@ -243,6 +268,7 @@ class ReferenceProbe:
         if not mine:
             return
         with torch.no_grad():
+            mine = [local(g) for g in mine]
             norms = torch._foreach_norm([g if not g.is_sparse else g._values() for g in mine], 2,
                                         dtype=torch.float32)
             sq = torch.stack([n.to(dev) for n in norms]).square().sum()
@@ -257,12 +283,15 @@ class ReferenceProbe:
         if zero is None or zero.device != dev:  # one read-only zero, not a new tensor every step
             zero = self._zero_sum = torch.zeros((), dtype=torch.float32, device=dev)
         probed = self._probe_step == self.updates and self._ref_sumsq is not None
+        if probed and self._ref_parts:  # a partition: the reference over the parameters the optimizers hold
+            self._ref_sumsq = torch.stack([self._ref_sumsq] + [part.square().sum() for i, part in self._ref_parts
+                                                               if i in self._probe_seen]).sum()
+            self._ref_parts = []
         ref = self._ref_sumsq.float() if probed else zero
         mp = self._mp_sumsq.float() if probed and self._mp_sumsq is not None else zero
-        mode = self._distributed_mode()
-        if probed and mode is not None:
-            # group 0 = reference, group 1 = mixed precision
+        if probed and self._probe_reduce is not None:
+            # group 0 = reference, group 1 = mixed precision; replicated: MAX, sharded: SUM
             pair = GradStats.empty(2, dev)
             pair.sumsq.copy_(torch.stack([ref, mp]))
-            ref, mp = pair.all_reduce(mode).sumsq.unbind()
+            ref, mp = pair.all_reduce(self._probe_reduce).sumsq.unbind()
         return probed, ref, mp

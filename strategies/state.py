@@ -15,7 +15,8 @@ from typing import Any, Iterable
 
 import torch
 
-from strategies.stats import GradStats, all_reduce_
+from strategies.sharding import all_reduce_
+from strategies.stats import GradStats
 
 __all__ = ["RuleState", "State", "base_state", "from_state_dict", "telemetry_of", "to_state_dict", "validated"]
 

@@ -20,9 +20,8 @@ the oracle of the kernel tests.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, fields
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,9 +30,8 @@ from strategies import kernels
 from strategies.formats import FP16_MIN_NORMAL
 
 __all__ = [
-    "E_BINS", "E_LO", "GradStats", "all_reduce_", "bin_counts", "count_fraction", "count_fraction_reference",
-    "distributed_mode", "exponent_histogram", "fold_histogram", "gather", "grads_by_device", "mean_over_ranks_",
-    "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
+    "E_BINS", "E_LO", "GradStats", "bin_counts", "count_fraction", "count_fraction_reference", "exponent_histogram",
+    "fold_histogram", "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
 ]
 
 
@@ -177,53 +175,6 @@ def count_fraction(numel: torch.Tensor, counts: torch.Tensor, more: torch.Tensor
     return count_fraction_reference(numel, counts, more)
 
 
-def grads_by_device(
-    optimizer: torch.optim.Optimizer, allow_fp16: bool = False
-) -> tuple[dict[torch.device, list[torch.Tensor]], dict[torch.device, list[torch.Tensor]]]:
-    """The parameters with a gradient and their gradients (values of sparse ones), by device.
-
-    Raises ``ValueError`` for an fp16 gradient unless ``allow_fp16``, as GradScaler does (fp16
-    master gradients are unsafe to unscale; a fused optimizer that unscales them itself is fine)."""
-    params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.dtype == torch.float16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            g = p.grad._values() if p.grad.is_sparse else p.grad
-            params[g.device].append(p)
-            grads[g.device].append(g)
-    return params, grads
-
-
-def distributed_mode(setting: str) -> str | None:
-    """``"replicated"``/``"sharded"`` when statistics must be reduced across ranks (a strategy's
-    ``distributed`` setting, ``"auto"`` meaning replicated), else None: ``"off"``, or no process
-    group of more than one rank."""
-    if setting == "off" or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    return "replicated" if setting == "auto" else setting
-
-
-def all_reduce_(tensors: list[torch.Tensor], op: str) -> None:
-    """SUM- or MAX-reduce ``tensors`` in place across the ranks of the default process group (one
-    collective: packed into float64)."""
-    if not tensors:
-        return
-    packed = torch.cat([t.double().reshape(-1) for t in tensors])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    for t, part in zip(tensors, packed.split([t.numel() for t in tensors])):
-        t.copy_(part.reshape(t.shape).to(t.dtype))
-
-
-def mean_over_ranks_(t: torch.Tensor) -> torch.Tensor:
-    """``t`` replaced in place by its mean over the ranks of the default process group."""
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.div_(dist.get_world_size())
-
-
 def _group_lists(
     grads: Sequence[torch.Tensor], group_index: Sequence[int] | None, num_groups: int
 ) -> list[list[torch.Tensor]]:
@@ -338,54 +289,3 @@ def _non_finite_check_and_unscale_(
     keep = inv == 1
     for g in manual:
         g.copy_(torch.where(keep, g, (g.float() * inv).to(torch.bfloat16)))
-
-
-
-def gather(
-    optimizer: torch.optim.Optimizer,
-    scale: torch.Tensor,
-    *,
-    unscale: bool = True,
-    with_stats: bool = True,
-    group_index: Callable[[list[torch.Tensor]], list[int] | None] | None = None,
-    num_groups: int = 1,
-    mode: str | None = None,
-) -> tuple[dict[torch.device, torch.Tensor], GradStats | None]:
-    """One pass over ``optimizer``'s gradients, per device: unscale them in place by ``1/scale``
-    (shape ``[]`` or ``[num_groups]``; ``group_index(params)`` gives each one's group) and return
-    ``(found_inf per device, statistics or None)``.
-
-    ``unscale=False`` only reads them (a fused optimizer unscales them itself; fp16 gradients are
-    then accepted) and turns the statistics into those of the unscaled values (abs-max x 1/S, sum
-    of squares x 1/S^2: exact for power-of-two scales). ``with_stats=False`` runs torch's
-    found-inf-only op. ``mode`` (``"replicated"``/``"sharded"``) reduces the statistics across
-    ranks (:meth:`GradStats.all_reduce`; every rank joins, also one without gradients). No sync.
-    """
-    params, grads = grads_by_device(optimizer, allow_fp16=not unscale)
-    # FP32 division can be imprecise for some compile options, so (as torch) the reciprocal is
-    # taken in FP64.
-    inv_all = scale.double().reciprocal().float()
-    found: dict[torch.device, torch.Tensor] = {}
-    total: GradStats | None = None
-    for device, gs in grads.items():
-        inv = inv_all.to(device, non_blocking=True) if unscale else torch.ones((), device=device)
-        if with_stats:
-            index = group_index(params[device]) if group_index is not None else None
-            st = unscale_and_stats(gs, inv, index, num_groups)
-            # one group: a view of its flag, not a reduction (every op here runs after the pass
-            # has evicted the caches, so each costs several microseconds on a large model)
-            found[device] = st.found_inf.view(()) if num_groups == 1 else st.found_inf.amax()
-            if device != scale.device:
-                st = st.to(scale.device)
-            total = st if total is None else total.combine(st)
-        else:
-            f = torch.zeros((), dtype=torch.float32, device=device)
-            unscale_and_check(gs, inv, f)
-            found[device] = f
-    if total is not None and not unscale:
-        total.absmax.mul_(inv_all)
-        total.sumsq.mul_(inv_all * inv_all)
-    if mode is not None:
-        total = (total if total is not None else GradStats.empty(num_groups, scale.device)).all_reduce(mode)
-        found = {scale.device: total.found_inf.amax()}
-    return found, total

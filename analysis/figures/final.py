@@ -12,6 +12,7 @@ import seaborn as sns
 
 from analysis.figures.common import Figure, finish, palette, subplots
 from analysis.metrics import METRICS, STRATEGY_OVERHEAD, Metric
+from analysis.tables import identified
 
 __all__ = ["interval_figures", "overhead_figures"]
 
@@ -19,6 +20,7 @@ __all__ = ["interval_figures", "overhead_figures"]
 def interval_figures(summary: pd.DataFrame, metrics: Sequence[Metric] = METRICS) -> list[Figure]:
     """Per workload: one panel per metric, each strategy × precision's mean (dot) with its 95 %
     bootstrap interval (bar) and IQM (open diamond) — rliable's interval-estimate plot."""
+    summary = identified(summary)  # a group of unknown precision or strategy has no colour or label
     if summary.empty:
         return []
     out = []

@@ -282,17 +282,19 @@ void underflow_target_update_op(at::Tensor& scale, at::Tensor& exp_hist, const a
 }
 
 // fault: int64 [1] with on_min_scale="raise" (an overflow to S <= min_scale restores S and records
-// `step`), else None.
+// `step`), else None; scale_window: int64 [1] with window_follows_scale (metaseq's window), else None.
 void tolerance_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& since_rescale,
                          at::Tensor& overflows, const at::Tensor& found_inf, double growth_factor,
                          double backoff_factor, int64_t growth_interval, double tolerance,
                          std::optional<double> threshold, const std::optional<at::Tensor>& fault,
-                         std::optional<double> min_scale, int64_t step) {
+                         std::optional<double> min_scale, int64_t step,
+                         const std::optional<at::Tensor>& scale_window) {
   const at::Device d = scale.device();
   check_scalars({{&scale, "scale"}, {&found_inf, "found_inf"}}, d, at::kFloat);
   check(growth_tracker, d, at::kInt, "growth_tracker", 1);
   check_scalars({{&since_rescale, "since_rescale"}, {&overflows, "overflows"}}, d, at::kLong);
   if (fault.has_value()) check(*fault, d, at::kLong, "fault", 1);
+  if (scale_window.has_value()) check(*scale_window, d, at::kLong, "scale_window", 1);
   const rules::ToleranceParams p{growth_factor,
                                  backoff_factor,
                                  growth_interval,
@@ -308,6 +310,7 @@ void tolerance_update_op(at::Tensor& scale, at::Tensor& growth_tracker, at::Tens
                                  overflows.data_ptr<int64_t>(),
                                  found_inf.const_data_ptr<float>(),
                                  fault.has_value() ? fault->data_ptr<int64_t>() : nullptr,
+                                 scale_window.has_value() ? scale_window->data_ptr<int64_t>() : nullptr,
                                  p};
   run(d, f, 1, "tolerance_update_");
 }

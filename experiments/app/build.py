@@ -31,6 +31,9 @@ import strategies
 from experiments.workloads import data as _data
 from experiments.app import loggers as _loggers
 from experiments.workloads import models as _models
+from experiments.workloads.heldout import HeldoutChars
+from experiments.workloads.pretrained import PretrainedGPT
+from experiments.workloads.rl_task import PolicyTask
 from experiments.workloads.precision import Precision
 from experiments.app.recipe import decay_groups
 
@@ -57,8 +60,8 @@ __all__ = [
 
 ALLOWED_TARGETS = (
     strategies.create,
-    _models.GPT, _models.MLP, _models.CNN,
-    _data.CharData, _data.TeacherVectors, _data.TemplateImages,
+    _models.GPT, _models.MLP, _models.CNN, PretrainedGPT,
+    _data.CharData, _data.TeacherVectors, _data.TemplateImages, HeldoutChars, PolicyTask,
     _loggers.WandbLogger,
 )
 """What a config may build, besides the optimizer classes of ``torch.optim``."""
@@ -79,8 +82,11 @@ def one_line(text: object) -> str:
 
 
 def resolve(target: str) -> Any:
-    """The object ``target`` names, through already-loaded modules only (nothing is imported);
-    ``None`` when it names none."""
+    """The object ``target`` names, through already-loaded modules only; ``None`` when it names none.
+
+    Judging a name runs no code of it: attributes are looked up statically
+    (``inspect.getattr_static``), so neither a module's lazy ``__getattr__`` (torch's imports
+    ``torch._dynamo`` on first access) nor a property runs, and nothing is imported."""
     parts = target.split(".")
     for cut in range(len(parts), 0, -1):
         module = sys.modules.get(".".join(parts[:cut]))
@@ -88,7 +94,7 @@ def resolve(target: str) -> Any:
             continue
         obj: Any = module
         for name in parts[cut:]:
-            obj = getattr(obj, name, None)
+            obj = inspect.getattr_static(obj, name, None)
             if obj is None:
                 return None
         return obj

@@ -1,5 +1,6 @@
 """The run options the loop reads, typed: :class:`RunConfig` (``seed``, ``device``, ``threads``,
-``sweep``, ``tags``), its :class:`TrainConfig` (``train.*``) and :class:`RegimeConfig` (``regime.*``).
+``sweep``, ``tags``), its :class:`TrainConfig` (``train.*``), :class:`RegimeConfig` (``regime.*``)
+and :class:`DistributedConfig` (``distributed.*``).
 
 Each option is declared once, as a strategy's ``Params`` field is (:func:`strategies.params.hp`):
 its type, default, allowed range (a check from :mod:`strategies.validation`), source and meaning.
@@ -34,10 +35,12 @@ from experiments.app.build import ConfigError, check_targets, one_line
 from strategies import validation as v
 from strategies.params import hp
 
-__all__ = ["RunConfig", "TrainConfig", "RegimeConfig", "Options", "composed", "GROUPS"]
+__all__ = ["RunConfig", "TrainConfig", "RegimeConfig", "DistributedConfig", "Options", "composed", "GROUPS"]
 
 GROUPS = ("model", "data", "precision", "strategy", "regime", "logger", "train", "optimizer")
 """The mappings every composed config has."""
+_BUILT = ("model", "data", "strategy", "optimizer")
+"""The groups built from their ``_target_``."""
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 O = TypeVar("O", bound="Options")
 
@@ -171,6 +174,17 @@ class RegimeConfig(Options):
         return self.loss_multiplier * (self.spike_factor if step in self.spike_steps else 1.0)
 
 
+@dataclass(frozen=True)
+class DistributedConfig(Options):
+    """``distributed.*``: how a run of several ranks (torchrun, submitit tasks) spreads the model."""
+
+    prefix: ClassVar[str] = "distributed."
+
+    mode: str = hp("ddp", v.named("ddp", "fsdp2"), "torch DDP; torch FSDP2 (fully_shard)",
+                   "ddp: every rank holds the model, gradients all-reduced | fsdp2: fully_shard on every layer "
+                   "and the root, parameters and gradients sharded over the ranks (one process: ignored)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(Options):
     """The run-level options of a composed config, validated (see the module docstring)."""
@@ -183,6 +197,7 @@ class RunConfig(Options):
     tags: tuple[str, ...] = hp((), _strings, "scalelab", "extra W&B tags")
     train: TrainConfig
     regime: RegimeConfig
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -198,7 +213,8 @@ class RunConfig(Options):
         run = {f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.name in resolved}
         try:
             return cls(**{**run, "train": TrainConfig.from_node(run["train"]),
-                          "regime": RegimeConfig.from_node(run["regime"])})
+                          "regime": RegimeConfig.from_node(run["regime"]),
+                          "distributed": DistributedConfig.from_node(run.get("distributed", {}))})
         except ValueError as exc:
             raise ConfigError(one_line(exc)) from None
 
@@ -219,17 +235,27 @@ def _optimizer_values(node: dict, path: str = "optimizer") -> None:
 def composed(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` resolved, after the checks of the whole config, each a one-line ``ConfigError``: it
     resolves (interpolations such as ``${oc.env:X}`` included), each of :data:`GROUPS` is a mapping,
+    no value is missing (``???``), model, data, strategy and optimizer each name a ``_target_``,
     every ``_target_`` is allowed (:func:`experiments.app.build.check_targets`) and every optimizer
     number is finite and >= 0. The groups' own values are checked by their constructors
     (``safe_instantiate`` turns those errors into one line)."""
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
     except Exception as exc:  # noqa: BLE001 - any resolution failure is a bad value on the command line
         raise ConfigError(f"the configuration does not resolve: {one_line(exc)[:300]}") from None
     assert isinstance(resolved, dict)
     for group in GROUPS:
         if not isinstance(resolved.get(group), dict):
             raise ConfigError(f"config group {group!r} is missing or not a mapping")
+    if missing:
+        raise ConfigError(f"{', '.join(missing[:6])} {'has' if len(missing) == 1 else 'have'} no value (??? in the "
+                          f"composed config): set {'it' if len(missing) == 1 else 'each'} on the command line, "
+                          f"e.g. {missing[0]}=<value>")
+    for group in _BUILT:  # built from their _target_: a partial group (one without it) is refused here
+        if "_target_" not in resolved[group]:
+            raise ConfigError(f"{group} has no _target_ (a partial {group} config: conf/{group}/<option>.yaml "
+                              f"names the class to build); choose a complete {group}=<option>")
     check_targets(resolved, "")
     _optimizer_values(resolved["optimizer"])
     return resolved

@@ -50,14 +50,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from experiments.app import gpu_slots
+from strategies.model_layers import layers
 
 __all__ = [
     "DistInfo",
     "setup",
     "cleanup",
     "wrap_model",
+    "is_sharded",
+    "full_state",
+    "load_full_state",
     "seed_everything",
     "rank_seed",
     "shard_batch",
@@ -250,22 +258,59 @@ def cleanup(destroy: bool = False) -> None:
     gpu_slots.release_gpu()
 
 
-def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs: Any) -> nn.Module:
-    """Move ``model`` to ``info.device`` and wrap it in DDP when ``world_size > 1``.
+def wrap_model(model: nn.Module, info: DistInfo, mode: str = "ddp", **ddp_kwargs: Any) -> nn.Module:
+    """Move ``model`` to ``info.device`` and, when ``world_size > 1``, spread it over the ranks.
 
-    A single process gets the model back unchanged (only moved). DDP broadcasts rank 0's
-    parameters and buffers at construction, so all ranks start identical even if their
-    initialisation seeds differ. ``ddp_kwargs`` go to ``DistributedDataParallel``.
-
+    A single process gets the model back unchanged (only moved). ``mode="ddp"``: wrapped in DDP,
+    which broadcasts rank 0's parameters and buffers at construction, so all ranks start identical
+    even if their initialisation seeds differ; ``ddp_kwargs`` go to ``DistributedDataParallel``.
     Attach hooks that must see the plain module (``layerwise``'s ``attach``) and build the
-    ``norm_ratio`` fp32 reference closure on the plain model (``model.module`` under DDP): a forward through the DDP
-    wrapper arms its gradient reducer, which ``torch.autograd.grad`` never fires.
+    ``norm_ratio`` fp32 reference closure on the plain model (``model.module`` under DDP): a forward
+    through the DDP wrapper arms its gradient reducer, which ``torch.autograd.grad`` never fires.
+
+    ``mode="fsdp2"`` (torchtitan's recipe): ``fully_shard`` on each of the model's layers that owns
+    parameters (:func:`strategies.model_layers.layers`: its declared ``boundaries``, else its
+    repeated blocks), then on the root; the model is changed in place (its parameters become DTensor shards, the same
+    initial values on every rank: the init is seeded alike) and returned. The strategies detect the
+    sharded gradients (``distributed="auto"``); attach and the reference closure take this model.
     """
     model = model.to(info.device)
     if not info.distributed:
         return model
+    if mode == "fsdp2":
+        for name in layers(model):
+            layer = model.get_submodule(name)
+            if any(p.requires_grad for p in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+        return model
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and the optimizer's ``state_dict`` as one process would hold them: under FSDP2
+    gathered from the shards into full CPU tensors (a collective: every rank calls it), else theirs."""
+    if not is_sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=full), get_optimizer_state_dict(model, optimizer, options=full)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Inverse of :func:`full_state` (every rank holds the full state dicts, read from the checkpoint)."""
+    if not is_sharded(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=full)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=full)
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -11,7 +11,7 @@ compares it with the step's *unscaled* mixed-precision gradient ``g`` (after ``u
 * ``lost_frac`` = #{r != 0 and g == 0} / #{r != 0}: entries the low-precision backward flushed
   to zero although the fp32 gradient has them (underflow);
 
-overall and per layer (the model's layers, :func:`strategies.boundaries.layers`; parameters
+overall and per layer (the model's layers, :func:`strategies.model_layers.layers`; parameters
 outside every layer are counted under ``"other"``). Training is unchanged: ``.grad``, the RNG
 state and the module buffers (e.g. BatchNorm statistics) are left exactly as they were, so the
 losses are bit-identical with the probe on or off. The probe's wall time is returned separately

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from experiments.app.build import AppError, ConfigError, one_line, build_data, b
 from experiments.app.build import build_strategy, run_labels
 from experiments.app.config import RunConfig
 from experiments.app.recorder import Recorder, say
+from experiments.app.rl_step import check as check_rl, frozen_copy, rl_step
 from experiments.app.rundir import RunDir
 from experiments.app.step import BatchLoss, Parts, StepResult, train_step
 from experiments.doctor import diagnosis
@@ -48,8 +50,14 @@ from experiments.workloads.precision import BoundaryHooks
 __all__ = ["run"]
 
 
+TEXT_KINDS = ("text", "rl")
+"""Data kinds whose evaluation is language modelling (metric: bits per character)."""
+
+
 def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.device, n_batches: int) -> dict:
-    """Mean validation loss and the workload metric (bits per char for text, accuracy otherwise)."""
+    """Mean validation loss and the workload metric (bits per char for text, accuracy otherwise);
+    the rl workload adds ``eval_reward``, the mean reward of its fixed evaluation prompts sampled in
+    the run's precision (:meth:`experiments.workloads.rl_task.PolicyTask.eval_reward`)."""
     model.eval()
     total, count, correct = 0.0, 0, 0
     with torch.no_grad(), precision.autocast_context(device):
@@ -63,8 +71,11 @@ def _evaluate(model: torch.nn.Module, data: Any, precision: Any, device: torch.d
             correct += int((logits.argmax(-1) == y).sum().item())
     model.train()
     eval_loss = total / max(count, 1)
-    metric = eval_loss / math.log(2) if data.kind == "text" else correct / max(count, 1)
-    return {"eval_loss": eval_loss, "eval_metric": metric}
+    metric = eval_loss / math.log(2) if data.kind in TEXT_KINDS else correct / max(count, 1)
+    out = {"eval_loss": eval_loss, "eval_metric": metric}
+    if callable(getattr(data, "eval_reward", None)):
+        out["eval_reward"] = data.eval_reward(model, partial(precision.autocast_context, device), device)
+    return out
 
 
 def run(cfg: DictConfig, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), choices: dict | None = None) -> dict:
@@ -132,7 +143,11 @@ def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: 
     data = build_data(cfg)
     dist.seed_everything(run_cfg.seed)
     raw_model = build_model(cfg, data).to(info.device)
-    model = dist.wrap_model(raw_model, info)
+    reference = None
+    if data.kind == "rl":  # the frozen initial policy, copied before any hook is attached
+        check_rl(data, run_cfg)
+        reference = frozen_copy(raw_model)
+    model = dist.wrap_model(raw_model, info, run_cfg.distributed.mode)
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     strategy = build_strategy(cfg)
@@ -148,8 +163,7 @@ def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: 
     lr_for = run_cfg.train.lr_schedule(optimizer.param_groups[0]["lr"])  # the base rate, before a resumed state
     if state is not None:
         try:
-            raw_model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            dist.load_full_state(raw_model, optimizer, state["model"], state["optimizer"])
             strategy.load_state_dict(state["strategy"])
             ckpt.restore_rng(state["rng"])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
@@ -162,7 +176,7 @@ def _build(cfg: DictConfig, run_cfg: RunConfig, info: dist.DistInfo, precision: 
     if callable(getattr(strategy, "set_reference", None)):
         strategy.set_reference(BatchLoss(raw_model, batch, hooks), params)
     return Parts(data, raw_model, model, params, optimizer, strategy, hooks, clock, lr_for, batch, info, precision,
-                 fidelity.layer_of(raw_model))
+                 fidelity.layer_of(raw_model), reference)
 
 
 
@@ -214,6 +228,7 @@ def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
     the kill aid."""
     tcfg, hooks = run_cfg.train, parts.hooks
     fid_every = tcfg.fidelity_every if parts.info.world_size == 1 else 0  # single process only
+    step_fn = rl_step if parts.data.kind == "rl" else train_step  # GRPO: rollouts, then update passes
     parts.model.train()
     for step in range(rec.start_step + 1, tcfg.steps + 1):
         at.step = step
@@ -221,8 +236,10 @@ def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
         hooks.measure, hooks.hist = log_now, tcfg.histogram_step(step)
         if log_now:
             hooks.reset()
-        done = train_step(parts, run_cfg, step, measure=log_now, probe=bool(fid_every) and step % fid_every == 0,
-                          first=step == rec.start_step + 1)
+        done = step_fn(parts, run_cfg, step, measure=log_now, probe=bool(fid_every) and step % fid_every == 0,
+                       first=step == rec.start_step + 1)
+        if parts.trace is not None:  # the step's trace row (its loss before any regime multiplier), on the device
+            parts.trace.stepped(step, done.loss, parts.optimizer.param_groups[0]["lr"])
         if done.probed is not None:
             rec.fidelity(step, done.probed, fidelity.seconds(done.probed))
         rec.count(step, done.loss, done.skipped, done.step_time, done.strategy_time)
@@ -255,7 +272,7 @@ def _train_line(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str
     """The train line of logging step ``step`` (the strategy's telemetry and the hooks' activation
     statistics read here), and the stop its loss calls for."""
     row = rec.train_line(step, done.loss, done.skipped, parts.strategy, done.grad_stats, parts.hooks.read(),
-                         float(parts.optimizer.param_groups[0]["lr"]), done.step_time, done.strategy_time)
+                         float(parts.optimizer.param_groups[0]["lr"]), done.step_time, done.strategy_time, done.extra)
     bar.set_postfix(loss=f"{row['loss']:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
     return stops.logged_loss(row["loss"], step, rec.counters["skipped_steps"], run_cfg.train.divergence_loss,
                              names["precision"], parts.batch)
@@ -270,8 +287,10 @@ def _finish(parts: Parts, rec: Recorder, at: _Position, exit_code: int) -> dict:
     parts.hooks.remove()
     if callable(getattr(parts.strategy, "detach", None)):
         parts.strategy.detach()
+    # the doctor re-runs the model on rank 0 alone: not on FSDP2 shards (their forward needs every rank)
+    alone = parts.info.is_main and not dist.is_sharded(parts.raw_model)
     diag = diagnosis.diagnose_run(rec.rundir.path, parts.raw_model, recipe.loss, parts.batch, parts.precision,
-                                  parts.strategy, parts.lr_for, at.step, at.status, at.error) if parts.info.is_main else None
+                                  parts.strategy, parts.lr_for, at.step, at.status, at.error) if alone else None
     summary = rec.summary(at.status, diagnosis.annotate(at.status, at.error, diag))
     if diag is not None:
         summary["diagnosis"] = diag.cause

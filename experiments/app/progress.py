@@ -65,10 +65,12 @@ def job_line(done: int, total: int, elapsed: float, summary: dict[str, Any]) -> 
     who = " ".join(str(summary.get(k, "?")) for k in ("precision", "regime", "strategy"))
     loss = summary.get("final_eval_loss")
     loss_s = f"{loss:.4g}" if isinstance(loss, (int, float)) else "n/a"
+    reward = summary.get("final_reward")  # the rl workload's primary metric
+    reward_s = f"final reward {reward:.4g}, " if isinstance(reward, (int, float)) else ""
     width = len(str(total))
     eta = elapsed / done * max(total - done, 0) if done else float("nan")
     return (f"[{done:>{width}}/{total}] {who} seed {summary.get('seed', '?')}: {summary.get('status', 'no record')}, "
-            f"final eval loss {loss_s}, {summary.get('skipped_steps', '?')} skipped | {clock(elapsed)}, "
+            f"{reward_s}final eval loss {loss_s}, {summary.get('skipped_steps', '?')} skipped | {clock(elapsed)}, "
             f"ETA {clock(eta) if math.isfinite(eta) else '?'}")
 
 

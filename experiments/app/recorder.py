@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.app import checkpoint as ckpt
-from experiments.app import records, telemetry
+from experiments.app import distributed as dist, records, telemetry
 from experiments import schema
 from experiments.app.build import instantiate_loggers
 from experiments.app.config import RunConfig
@@ -80,6 +80,9 @@ class Recorder:
             self.counters.update(state["counters"])
             self.start_step = int(state["step"])
         self.saved_at = self.start_step  # the step a restart resumes from
+        # Which code, torch and host ran which steps (a resume may run on another commit or machine).
+        self.segments = records.segments(state, self.fingerprint, run.train.steps,
+                                         None if state is None else records.read_json(self.summary_path))
         self.losses = LossWindow(device, None if state is None else state["loss_window"])
         self.writer = records.MetricsWriter(None)
         self.loggers: list = []
@@ -131,14 +134,17 @@ class Recorder:
         self.emit({"kind": schema.KIND_FIDELITY, "step": step, **probed})
 
     def train_line(self, step: int, loss: torch.Tensor, skipped: bool, strategy: Any, own_stats: dict,
-                   hook_stats: dict, lr: float, step_time: float, strategy_time: float) -> dict:
-        """Write the train line of ``step`` (see the module docstring) and return it."""
+                   hook_stats: dict, lr: float, step_time: float, strategy_time: float,
+                   extra: dict | None = None) -> dict:
+        """Write the train line of ``step`` (see the module docstring; ``extra``: the workload's own
+        values, e.g. the rl workload's ``reward`` and ``kl_ref``) and return it."""
         loss_val, loss_avg = self.losses.read(loss)
         row: dict[str, Any] = {"kind": schema.KIND_TRAIN, "step": step}
         row.update(telemetry.flatten(telemetry.read(strategy), strategy.group_names, own_stats))
         row.update(loss=loss_val, loss_avg=loss_avg, skipped=skipped, skipped_total=self.counters["skipped_steps"])
         row.update(hook_stats)
         row.update(lr=lr, step_time_s=step_time, strategy_time_s=strategy_time)
+        row.update(extra or {})
         self.emit(row)
         if self.trace is not None:
             self.trace.flush(step, row.get("act_exp_hist"))
@@ -149,25 +155,32 @@ class Recorder:
 
     def checkpoint(self, step: int, status: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    strategy: Any) -> None:
-        """Rank 0 (when ``train.checkpoint_every > 0``): everything a resume needs, atomically."""
-        if not (self.main and self.run.train.checkpoint_every > 0):
+        """Rank 0 (when ``train.checkpoint_every > 0``): everything a resume needs, atomically (under
+        FSDP2 every rank first helps gather the full state dicts: :func:`distributed.full_state`)."""
+        if self.run.train.checkpoint_every <= 0:
+            return
+        model_state, optim_state = dist.full_state(model, optimizer)
+        if not self.main:
             return
         if self.trace is not None:  # a resume from this step finds every row up to it
             self.trace.flush(step)
         ckpt.save(
             self.rundir.path / schema.CHECKPOINT_NAME,
             {"step": step, "status": status, "config": records.redact(self.resolved),
-             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "model": model_state, "optimizer": optim_state,
              "strategy": strategy.state_dict(), "rng": ckpt.capture_rng(), "data_position": step,
-             "counters": dict(self.counters), "loss_window": self.losses.state()},
+             "counters": dict(self.counters), "loss_window": self.losses.state(), "segments": self.segments},
         )
         self.saved_at = step
 
     def summary(self, status: str, error: str | None) -> dict:
         """The summary of rank 0's record (every rank reads it from the shared file system)."""
         rows = records.read_metrics(self.metrics_path)
+        keep = self.resolved.get("model", {}).get("keep_fp32")
         return {"status": status, "error": error, **self.head, **records.summarize(rows, self.counters),
-                "diverged": status == "diverged", "fingerprint": self.fingerprint}
+                "diverged": status == "diverged", "survived": status == "completed",
+                **({"keep_fp32": [str(k) for k in keep]} if keep else {}), "fingerprint": self.fingerprint,
+                "segments": self.segments}
 
     def finish(self, summary: dict, exit_code: int) -> None:
         """Rank 0: write the final ``summary.json`` and close the loggers with it."""

@@ -39,6 +39,7 @@ __all__ = [
     "summarize",
     "fingerprint",
     "redact",
+    "segments",
 ]
 
 _LINE_FIELDS = {schema.KIND_TRAIN: schema.TRAIN_FIELDS, schema.KIND_EVAL: schema.EVAL_FIELDS,
@@ -202,10 +203,34 @@ def fingerprint(config: dict, overrides: list[str], device: str) -> dict:
         "git_dirty": bool(status) if status is not None else None,
         "config": redact(config),
         "overrides": redact(list(overrides)),
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # a str, not TorchVersion: checkpoints load weights_only
         "device": device,
         "hostname": socket.gethostname(),
     }
+
+
+def segments(state: dict | None, fingerprint: dict, steps: int, summary: dict | None = None) -> list[dict]:
+    """The run's segments (``summary.json``'s ``segments``, :data:`experiments.schema.SEGMENT_KEYS`):
+    those the checkpoint ``state`` recorded (so a process whose steps were dropped on resume is left
+    out), then this process's: from the checkpoint's step (0 without one), with its ``train.steps``
+    and the versions and host of ``fingerprint``.
+
+    A checkpoint written before segments were recorded gives one first segment from step 0, with the
+    ``train.steps`` of its config and the versions of the previous ``summary``'s fingerprint (the last
+    process that wrote it; ``None`` where there is none)."""
+    def entry(start: int, steps_: Any, fp: dict) -> dict:
+        return {"start_step": start, "steps": steps_, **{k: fp.get(k) for k in schema.SEGMENT_KEYS[2:]}}
+
+    if state is None:
+        return [entry(0, steps, fingerprint)]
+    this = entry(int(state["step"]), steps, fingerprint)
+    earlier = state.get("segments")
+    if isinstance(earlier, list) and all(isinstance(seg, dict) for seg in earlier):
+        return [dict(seg) for seg in earlier] + [this]
+    fp = (summary or {}).get("fingerprint")
+    train = (state.get("config") or {}).get("train") if isinstance(state.get("config"), dict) else None
+    first = entry(0, train.get("steps") if isinstance(train, dict) else None, fp if isinstance(fp, dict) else {})
+    return [first, this]
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -232,6 +257,8 @@ def summarize(rows: list[dict], counters: dict) -> dict:
         "final_eval_loss": _finite_or_none(evals[-1]["eval_loss"]) if evals else None,
         "best_eval_loss": min(eval_losses) if eval_losses else None,
         "final_eval_metric": _finite_or_none(evals[-1].get("eval_metric")) if evals else None,
+        **({"final_reward": _finite_or_none(evals[-1]["eval_reward"])}
+           if evals and evals[-1].get("eval_reward") is not None else {}),
         "skipped_steps": int(counters.get("skipped_steps", 0)),
         "mean_step_time_s": mean_step,
         "strategy_overhead_s": overhead,

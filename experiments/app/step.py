@@ -12,19 +12,23 @@ the shape of torchtitan's ``forward_backward_step`` and nanoGPT's step).
 4. optional clipping (``train.grad_clip``), ``strategy.step(optimizer)`` (skips on non-finite
    gradients), ``strategy.update()``.
 
+Steps 2-4 are :func:`scaled_update`, the scaler's calls, which the rl workload's step
+(:func:`experiments.app.rl_step.rl_step`: a rollout, then update passes) makes exactly alike.
+
 On a logging step the loop's own gradient statistics are read after ``unscale_``
 (:func:`experiments.app.telemetry.param_grad_stats`); on a fidelity step the unscaled gradient is
 compared with the fp32 one at the same weights, batch and dropout (:mod:`experiments.app.fidelity`),
 before the regime's rescaling. :class:`StepTimer` keeps the step's wall time and the part of it
 spent inside the strategy; nothing in the step reads the device but GradScaler's own skip decision.
-With ``parts.trace`` (a :class:`strategies.tracing.TraceRecorder`), each step also leaves its row of
-the statistics trace on the device (read at the logging interval: ``experiments/app/tracefile.py``).
+With ``parts.trace`` (a :class:`strategies.tracing.TraceRecorder`), :func:`scaled_update` records the
+per-group abs-max after ``unscale_`` and the loop then leaves the step's row of the statistics trace
+on the device (read at the logging interval: ``experiments/app/tracefile.py``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -35,7 +39,7 @@ from experiments.app.config import RunConfig
 from experiments.workloads.data import step_generator
 from experiments.workloads.precision import BoundaryHooks
 
-__all__ = ["BatchLoss", "Parts", "StepResult", "StepTimer", "train_step"]
+__all__ = ["BatchLoss", "Parts", "StepResult", "StepTimer", "scaled_update", "train_step"]
 
 
 class BatchLoss:
@@ -57,8 +61,9 @@ class BatchLoss:
 @dataclass
 class Parts:
     """What a run trains with. ``model`` is ``raw_model`` wrapped for DDP (the same object on one
-    process); ``batch`` is the current step's inputs, targets and loss multiplier; ``layers`` names
-    each parameter's layer (``id(p) -> name``, for the fidelity probe)."""
+    process); ``batch`` is the current step's inputs, targets and loss multiplier (the rl workload:
+    also its rollout batch); ``layers`` names each parameter's layer (``id(p) -> name``, for the
+    fidelity probe); ``reference`` is the frozen initial policy of the rl workload (else ``None``)."""
 
     data: Any
     raw_model: torch.nn.Module
@@ -73,6 +78,7 @@ class Parts:
     info: dist.DistInfo
     precision: Any
     layers: dict[int, str]
+    reference: torch.nn.Module | None = None
     trace: Any = None  # a strategies.tracing.TraceRecorder, fed every step (experiments/app/tracefile.py)
 
 
@@ -80,7 +86,8 @@ class Parts:
 class StepResult:
     """What one step leaves for the loop's records: the loss (a device tensor, no read), whether
     ``strategy.step`` skipped the optimizer, the gradient statistics of a logging step, the
-    fidelity line of a probe step, and the step's wall and strategy seconds (probe excluded)."""
+    fidelity line of a probe step, the step's wall and strategy seconds (probe excluded), and the
+    workload's own values of a logging step (``extra``: the rl workload's reward and KL)."""
 
     loss: torch.Tensor
     skipped: bool
@@ -88,6 +95,7 @@ class StepResult:
     probed: dict[str, Any] | None
     step_time: float
     strategy_time: float
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class StepTimer:
@@ -124,42 +132,56 @@ def train_step(parts: Parts, run: RunConfig, step: int, measure: bool, probe: bo
     """Step ``step`` as the module docstring says. ``measure``: a logging step (read the gradient
     statistics); ``probe``: a fidelity step; ``first``: the run's first step, where a strategy's
     ``ValueError`` is a bad option that only shows at first use (a ``ConfigError``)."""
-    p, strategy, optimizer, device, regime = parts, parts.strategy, parts.optimizer, parts.info.device, run.regime
+    p, regime = parts, run.regime
     m = regime.multiplier(step)
     x, y = dist.shard_batch(p.data.batch(run.train.batch_size, step_generator(run.seed, step)), p.info)
-    p.batch.update(x=x.to(device), y=y.to(device), m=m)
-    recipe.set_lr(optimizer, p.lr_for(step))
+    p.batch.update(x=x.to(p.info.device), y=y.to(p.info.device), m=m)
+    recipe.set_lr(p.optimizer, p.lr_for(step))
     p.clock.reset()
-    rng = fidelity.capture_rng(device) if probe else None  # the probe replays this step's dropout
-    timer = StepTimer(strategy, p.clock)
-    with p.precision.autocast_context(device):
+    rng = fidelity.capture_rng(p.info.device) if probe else None  # the probe replays this step's dropout
+    timer = StepTimer(p.strategy, p.clock)
+    with p.precision.autocast_context(p.info.device):
         logits = p.model(p.batch["x"])
     loss = recipe.loss(logits, p.batch["y"])
+    divide = regime.loss_multiplier if regime.rescale_grads else 1.0  # the stress was the backward's only
+    grad_stats, probed, strategy_time = scaled_update(p, run, loss * m if m != 1.0 else loss, timer, measure, first,
+                                                      None if rng is None else (BatchLoss(p.raw_model, p.batch), rng),
+                                                      divide)
+    p.optimizer.zero_grad(set_to_none=True)
+    probe_time = 0.0 if probed is None else fidelity.seconds(probed)  # kept out of step and strategy time
+    return StepResult(loss, not p.clock.ran, grad_stats, probed, timer.wall_seconds() - probe_time, strategy_time)
+
+
+def scaled_update(p: Parts, run: RunConfig, loss: torch.Tensor, timer: StepTimer, measure: bool, first: bool,
+                  probe: tuple[Callable[[], torch.Tensor], Any] | None,
+                  divide: float = 1.0) -> tuple[dict[str, float], dict[str, Any] | None, float]:
+    """The scaler's calls of every step, GradScaler's recipe: ``strategy.scale(loss)``, ``backward()``,
+    ``strategy.unscale_(optimizer)``; then the gradient statistics (``measure``), the fidelity probe
+    (``probe = (loss_fn, rng)``: the fp32 gradient of ``loss_fn()`` at these weights against the
+    unscaled one), the fp32 gradients divided by ``divide`` (a regime's loss multiplier), clipping
+    (``train.grad_clip``), ``strategy.step(optimizer)`` and ``strategy.update()``. Returns
+    ``(grad_stats, probed, strategy seconds)``; on the run's ``first`` step a strategy's
+    ``ValueError`` is a :class:`ConfigError`."""
+    strategy, optimizer = p.strategy, p.optimizer
     try:
         with timer:
-            scaled = strategy.scale(loss * m if m != 1.0 else loss)
+            scaled = strategy.scale(loss)
         scaled.backward()
         with timer:
             strategy.unscale_(optimizer)
         if p.trace is not None:
             p.trace.unscaled(p.params)
         grad_stats = telemetry.param_grad_stats(p.params) if measure else {}
-        probed = None if rng is None else fidelity.probe(p.raw_model, BatchLoss(p.raw_model, p.batch), p.params,
-                                                         rng, p.layers)
-        if regime.rescale_grads and regime.loss_multiplier != 1.0:
-            torch._foreach_div_([q.grad for q in p.params if q.grad is not None], regime.loss_multiplier)
+        probed = None if probe is None else fidelity.probe(p.raw_model, probe[0], p.params, probe[1], p.layers)
+        if divide != 1.0:
+            torch._foreach_div_([q.grad for q in p.params if q.grad is not None], divide)
         if run.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(p.params, run.train.grad_clip)
         with timer:
             strategy.step(optimizer)
             strategy.update()
-        strategy_time = timer.strategy_seconds()
-        if p.trace is not None:
-            p.trace.stepped(step, loss, optimizer.param_groups[0]["lr"])
+        return grad_stats, probed, timer.strategy_seconds()
     except ValueError as exc:
         if not first:
             raise
         raise ConfigError(f"strategy: {one_line(exc)}") from None  # e.g. a pattern matching nothing
-    optimizer.zero_grad(set_to_none=True)
-    probe_time = 0.0 if probed is None else fidelity.seconds(probed)  # kept out of step and strategy time
-    return StepResult(loss, not p.clock.ran, grad_stats, probed, timer.wall_seconds() - probe_time, strategy_time)

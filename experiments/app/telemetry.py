@@ -21,8 +21,10 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from experiments import schema
+from strategies.sharding import all_reduce_, local
 from strategies.stats import zeros_and_subnormals
 
 __all__ = ["GRAD_FIELDS", "OptimizerClock", "param_grad_stats", "flatten", "read"]
@@ -32,7 +34,11 @@ _SCALE, _SCALES, _GROUPS, _EXTRA = "scale", "scales", "scale_groups", "telemetry
 
 
 def param_grad_stats(params: Sequence[torch.nn.Parameter]) -> dict[str, float]:
-    """abs-max, L2 norm, zero and fp16-subnormal fractions of the parameter gradients (one sync)."""
+    """abs-max, L2 norm, zero and fp16-subnormal fractions of the parameter gradients (one sync).
+    FSDP2 shards (DTensors): each rank measures its own shards, reduced over the ranks (every rank
+    calls it)."""
+    if any(isinstance(p.grad, DTensor) for p in params):
+        return _sharded_grad_stats([local(p.grad.detach()) for p in params if p.grad is not None])
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if not grads:
         return dict(zip(GRAD_FIELDS, (0.0, 0.0, 1.0, 0.0)))
@@ -42,6 +48,22 @@ def param_grad_stats(params: Sequence[torch.nn.Parameter]) -> dict[str, float]:
     numel = sum(g.numel() for g in grads)
     a, n, z, s = torch.stack([absmax, norm, zeros.float(), sub.float()]).tolist()  # type: ignore[union-attr]
     return dict(zip(GRAD_FIELDS, (a, n, z / numel, s / numel)))
+
+
+def _sharded_grad_stats(shards: list[torch.Tensor]) -> dict[str, float]:
+    """:func:`param_grad_stats` of the whole gradient from each rank's shards: MAX of the abs-max, SUM
+    of the squares and counts over the ranks."""
+    dev = shards[0].device if shards else torch.device("cpu")
+    shards = [g for g in shards if g.numel()]
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    peak = torch.stack([zero] + [g.abs().max().double() for g in shards]).max().reshape(1)
+    sq = torch.stack([zero] + [g.double().square().sum() for g in shards]).sum()
+    zeros, sub = zeros_and_subnormals(shards) if shards else (zero, zero)
+    sums = torch.stack([sq, zeros.double(), sub.double(), zero + sum(g.numel() for g in shards)])
+    all_reduce_([peak], "max")
+    all_reduce_([sums], "sum")
+    (a,), (q, z, s, n) = peak.tolist(), sums.tolist()
+    return dict(zip(GRAD_FIELDS, (a, q ** 0.5, z / n, s / n) if n else (0.0, 0.0, 1.0, 0.0)))
 
 
 def read(strategy: Any) -> dict[str, Any]:

@@ -181,10 +181,12 @@ print(d.text()); d.exit_code
 ```
 
 The doctor re-runs one step of the model on one batch: a mixed forward under autocast with
-forward hooks and a backward at the current scale with full backward hooks (and, when that
+forward hooks (which see positional and keyword arguments alike: HF models pass every input by
+keyword) and a backward at the current scale with full backward hooks (and, when that
 overflows, a backward at S = 1 through the same graph), and an fp32 forward and backward as the
 reference. It names the first module whose output (forward) or input gradient (backward) leaves
-the format's range, with the value the fp32 pass gives there, the per-layer underflow damage
+the format's range, with the value the fp32 pass gives there (a forward culprit is re-run in
+fp32 with its own arguments, a key-value cache left out), the per-layer underflow damage
 (lost nonzero entries, cosine against fp32) at the current scale and at the scale each
 registered strategy would choose, and the cause, from this decision list (first match wins):
 """
@@ -203,12 +205,12 @@ APP = """## Failure workloads (training app)
 | fp8 where per-tensor casting matters | `+experiment=doctor_fp8_cast precision.cast_scaling=none` vs `=current` (fp8-E4M3 GPT, no loss scale): without cast scaling most activation-gradient entries round to zero | Micikevicius et al. 2022 (FP8 formats); TransformerEngine recipes |
 
 Each is tested in a real short run (`tests/doctor/test_loop_bugs.py`, `test_lr_peak.py`,
-`test_fp8_cast.py`, `test_cli.py`). The fp16 policy-gradient workload joins `compare_full`'s
-grid as a fourth fp16 regime (`small_advantage`): there scalers really differ, as under
-`tiny_grad`. The others are separate experiment configs: they fail (or, for fp8, lose the
-gradient) by design for every loss-scaling strategy, or need optimizer settings a regime cannot
-set, so as `compare_full` cells they would add stalled or diverged runs to the ranking rather than
-a comparison of strategies.
+`test_fp8_cast.py`, `test_cli.py`). The comparisons train real fp16 policy gradients instead of
+the `small_advantage` stand-in: the `rl` workload (`conf/workload/rl.yaml`, GRPO on a pretrained
+policy) is a regime of `make compare` and one of the court's two workloads (issue 30). The others
+are separate experiment configs: they fail (or, for fp8, lose the gradient) by design for every
+loss-scaling strategy, or need optimizer settings a regime cannot set, so as `compare` cells they
+would add stalled or diverged runs to the ranking rather than a comparison of strategies.
 
 ## Automatic use
 

@@ -39,9 +39,24 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 EVAL_SEED = 1234
 
 
+MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number
+    generators"): a bijection of 64-bit integers whose every output bit depends on every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
-    """CPU generator for the batch of ``step``: seeded with ``seed * 2**32 + step`` (mod 2**63)."""
-    return torch.Generator().manual_seed((seed * 2**32 + step) % 2**63)
+    """CPU generator for the batch of ``step``: seeded with the low 32 bits of ``mix64(seed * 2**32 +
+    step)``. torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so the seed must
+    put ``seed`` there too: ``seed * 2**32 + step`` itself (before issue 30) gave every seed the
+    same batches."""
+    return torch.Generator().manual_seed(_mix64((seed * 2**32 + step) & MASK64) & 0xFFFF_FFFF)
 
 
 def _check(name: str, value: object, check: v.Check) -> None:

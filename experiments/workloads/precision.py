@@ -23,7 +23,7 @@ convolutions run in the low-precision type and their activation gradients are re
 tensors that really underflow (seed 001: the autocast op lists; seed 004: the dispatch).
 
 FP8 is simulated: the forward runs under bf16 autocast, and at every layer boundary of the model
-(``strategies.boundaries.layers(model)``) the gradient flowing backward is quantised and dequantised,
+(``strategies.model_layers.layers(model)``) the gradient flowing backward is quantised and dequantised,
 ``g <- float(fp8(g))``, by ``torch``'s own casts to ``torch.float8_e4m3fn`` / ``float8_e5m2``
 (round to nearest even; values below half the smallest subnormal — 2^-10 for e4m3, 2^-17 for
 e5m2 — become 0). Overflow follows the formats as torch casts them, checked on torch 2.13:
@@ -53,7 +53,8 @@ from torch import nn
 
 from experiments.workloads.fp8 import CAST_SCALINGS, ROUNDINGS, CastScaler, quantize_dequantize
 from experiments.workloads.fp8_forward import FORWARD_ROLES, LinearCasts
-from strategies.boundaries import Boundaries, Trace, layers
+from strategies.boundaries import Boundaries, Trace
+from strategies.model_layers import layers
 from strategies import validation as v
 from strategies.stats import exponent_histogram, fold_histogram, zeros_and_subnormals
 
@@ -175,7 +176,7 @@ class BoundaryHooks:
     """fp8 gradient simulation and per-layer measurements on the model's layer boundaries.
 
     Built on the one shared layer-boundary module (:mod:`strategies.boundaries`): the layers are
-    ``strategies.boundaries.layers(model)``, the fp8 quantise–dequantise is its ``"quantize"``
+    ``strategies.model_layers.layers(model)``, the fp8 quantise–dequantise is its ``"quantize"``
     stage and the measurements its ``"observe"`` stage, so a per-layer strategy's rescaling
     (``"rescale"``) always comes first and the measurements see what the layer below receives,
     whatever the order in which the loop attached them.

@@ -22,14 +22,14 @@ their own: with ``forward_strategies=True`` they get one each, else they are lis
 compared. The damage at a scale is measured with one loss scale for the whole model (for
 ``layerwise``, its loss-side scale: the per-layer rescaling is not replayed).
 
-**First module out of range.** Forward: the first module, in completion order, whose inputs
-are finite and whose output is not (inner modules complete first, so this is the innermost
-culprit); its fp32 value is recomputed from the same inputs (one module call). Backward: the
-first module, in backward order, whose output gradient is finite and whose input gradient is
-not (full backward hooks); if no activation gradient overflows, the first module owning a
-non-finite parameter gradient.
+**First module out of range.** Forward: the first module, in completion order, whose inputs are
+finite and whose output is not (inner modules complete first, so this is the innermost
+culprit); its fp32 value is recomputed from the same inputs, positional and keyword (one module
+call). Backward: the first module, in backward order, whose output gradient is finite and whose
+input gradient is not (full backward hooks); if no activation gradient overflows, the first
+module owning a non-finite parameter gradient.
 
-**Underflow damage** per layer (``strategies.boundaries.layers``) of the unscaled mixed
+**Underflow damage** per layer (``strategies.model_layers.layers``) of the unscaled mixed
 gradient ``g`` against ``r``: ``lost = #{r != 0, g == 0} / #{r != 0}`` and
 ``cosine = <g, r> / (||g|| ||r||)`` — the same definitions as the app's fidelity probe.
 

@@ -1,9 +1,12 @@
 """What the doctor's hooks see in one pass over a step (``strategies.doctor`` decides from it;
 its docstring states the method and the sources).
 
-* Forward hooks on every module find the first one whose finite inputs give a non-finite output
-  that its fp32 recomputation does not have (so a ``-inf`` attention mask is no overflow); in an
-  fp32 pass, the first NaN made from NaN-free inputs.
+* Forward hooks on every module (with keyword arguments: HF passes every input by keyword) find
+  the first one whose finite inputs give a non-finite output that its fp32 recomputation (the
+  same call, positional and keyword arguments in float32) does not have (so a ``-inf`` attention
+  mask is no overflow); in an fp32 pass, the first NaN made from NaN-free inputs. A key-value
+  cache argument (transformers' ``Cache``, which the call already appended this step's keys to)
+  is passed as ``None`` to the recomputation, so it attends to the call's own keys once.
 * Full backward hooks on the leaf modules record each module's output- and input-gradient
   abs-max, the backward order, and the first module whose finite output gradient gives a
   non-finite input gradient; :func:`first_backward` adds the owners of non-finite parameter
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["Record", "backward_value", "first_backward", "hooks", "safe_scale"]
 
@@ -38,6 +41,20 @@ def _absmax(obj: Any) -> float:
     vals = [float(t.detach().abs().max()) for t in tree_leaves(obj)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     return max(vals, default=0.0)
+
+
+def _kv_cache(obj: Any) -> bool:
+    """A key-value cache (transformers' ``Cache``: ``update`` and ``get_seq_length``)."""
+    return callable(getattr(obj, "update", None)) and callable(getattr(obj, "get_seq_length", None))
+
+
+def _wide(obj: Any) -> Any:
+    """``obj`` for the fp32 recomputation: floating tensors in float32, key-value caches None."""
+    if _kv_cache(obj):
+        return None
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.is_floating_point() else obj
+    return tree_map(_wide, obj) if isinstance(obj, (list, tuple, dict)) else obj
 
 
 def _out_of_range(low: Any, wide: Any) -> tuple[float, bool]:
@@ -81,15 +98,16 @@ def hooks(model: torch.nn.Module, rec: Record, device_type: str) -> Iterator[Non
     handles = []
     names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
 
-    def forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+    def forward(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if rec.forward_first is not None or rec.busy:
             return
+        inputs = (args, kwargs)
         if rec.wide:
-            if _has_nan(output) and not _has_nan(args):
+            if _has_nan(output) and not _has_nan(inputs):
                 name = names[id(module)]
                 rec.forward_first = (name, f"{name} output", float("nan"))
             return
-        if _finite(output) or not _finite(args):
+        if _finite(output) or not _finite(inputs):
             return
         # Candidate: finite inputs, non-finite output. Recompute it in fp32 from the same inputs;
         # intentional infinities (a -inf attention mask) are there in fp32 too and do not count.
@@ -97,8 +115,7 @@ def hooks(model: torch.nn.Module, rec: Record, device_type: str) -> Iterator[Non
         rec.busy = True
         try:
             with torch.no_grad(), torch.autocast(device_type, enabled=False):
-                wide = module(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                                for a in args])
+                wide = module(*_wide(tuple(args)), **_wide(dict(kwargs)))
         except Exception:  # noqa: BLE001 - a module that cannot be re-called: blame it, value unknown
             rec.forward_first = (name, f"{name} output", float("inf"))
             return
@@ -120,7 +137,7 @@ def hooks(model: torch.nn.Module, rec: Record, device_type: str) -> Iterator[Non
 
     try:
         for m in model.modules():
-            handles.append(m.register_forward_hook(forward))
+            handles.append(m.register_forward_hook(forward, with_kwargs=True))
             if not list(m.children()):
                 handles.append(m.register_full_backward_hook(backward))
         with warnings.catch_warnings():  # the first layer's inputs need no gradient: expected

@@ -25,11 +25,11 @@ import functools
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from strategies.kernels import f32_of_double
 from strategies.layer_groups import overflow_origin
-
-__all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
+from strategies.sharding import all_reduce_, local
 
 __all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
 
@@ -69,7 +69,9 @@ class WeightStats:
     def __init__(self, groups: list[list[torch.Tensor]], device: torch.device) -> None:
         mats = [(gi, w) for gi, ws in enumerate(groups) for w in ws if w.dim() >= 2]
         G = len(groups)
-        self.tensors = [w for _, w in mats]
+        # FSDP2 (DTensor weights): each rank reads its shards; the sums and maxima are reduced over ranks
+        self.sharded = any(isinstance(w, DTensor) for _, w in mats)
+        self.tensors = [local(w) for _, w in mats]
         self.gid = torch.tensor([gi for gi, _ in mats], dtype=torch.int64, device=device)
         count, fan = [0.0] * G, [0.0] * G
         for gi, w in mats:
@@ -86,9 +88,13 @@ class WeightStats:
         with torch.no_grad():
             dev = self.ones.device
             sq = torch.stack(torch._foreach_norm(self.tensors, 2)).float().to(dev).square()
-            # abs-max as max(-min, max): torch's inf-norm is unvectorised on the CPU (17x slower)
-            lo, hi = (torch.stack(t).float().to(dev) for t in zip(*(torch.aminmax(w) for w in self.tensors)))
-            mx = torch.maximum(-lo, hi)
+            if self.sharded:  # a shard may be empty (aminmax refuses it)
+                mx = torch.stack(torch._foreach_norm(self.tensors, float("inf"))).float().to(dev)
+                all_reduce_([sq], "sum")
+                all_reduce_([mx], "max")
+            else:  # abs-max as max(-min, max): torch's inf-norm is unvectorised on the CPU (17x slower)
+                lo, hi = (torch.stack(t).float().to(dev) for t in zip(*(torch.aminmax(w) for w in self.tensors)))
+                mx = torch.maximum(-lo, hi)
             w2 = torch.zeros_like(self.ones).index_add_(0, self.gid, sq) / self.count.clamp(min=1)
             wmax = torch.zeros_like(self.ones).scatter_reduce_(0, self.gid, mx, "amax")
         return torch.where(self.has, w2, self.ones), torch.where(self.has, wmax, self.ones), self.fan

@@ -3,12 +3,12 @@
 Rule (seed 003, section 3.3 "层级化动态缩放 (Layer-wise Scaling)": layers near the input usually
 have smaller gradients than layers near the output, so each layer group l keeps its own scale
 S_l). Groups are indexed 0..G-1; by default the model's layers
-(:func:`strategies.boundaries.layers`: its declared ``boundaries``, else each top-level child
-module that owns parameters, looking into ``ModuleList``/``ModuleDict``), or the modules
-matched by ``groups`` (fnmatch patterns over qualified module names; one group per pattern,
-outermost match, first pattern wins). Every trainable parameter must belong to a
-group, and a group whose parameters receive gradients must have been called in forward
-(:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
+(:func:`strategies.model_layers.layers`: its declared ``boundaries``, else its children that own
+parameters, opened down to its repeated blocks: one group per block of HF GPT-2, BERT, T5,
+Llama, ViT), or the modules matched by ``groups`` (fnmatch patterns over qualified module names;
+one group per pattern, outermost match, first pattern wins). Every trainable parameter must
+belong to a group, and a group whose parameters receive gradients must have been called in
+forward (:meth:`unscale_` raises otherwise: its gradients' scale would be unknown).
 
 Mechanics (all scales are powers of two, so every rescaling is exact unless the result leaves the
 format's range — which is precisely what scaling is about; the links and their maths:
@@ -24,7 +24,7 @@ format's range — which is precisely what scaling is about; the links and their
   nearest the loss); :meth:`get_scale` returns that scale. Several models feeding one loss, several
   losses (``retain_graph=True``), an auxiliary loss on an inner activation: all exact.
 * The boundaries act only in a backward of a tensor :meth:`scale` returned
-  (:class:`strategies.boundaries.ScaledBackwards`): a plain ``loss.backward()`` (logging, an fp32
+  (:class:`strategies.scaled_backwards.ScaledBackwards`): a plain ``loss.backward()`` (logging, an fp32
   reference) gives plain gradients.
 * Gradient penalty (PyTorch's AMP examples): ``torch.autograd.grad(strategy.scale(loss), params,
   create_graph=True)`` returns each group's gradients at its own scale; unscale them with
@@ -32,14 +32,16 @@ format's range — which is precisely what scaling is about; the links and their
   ``RuntimeError`` between such a backward and :meth:`unscale_grads`. Then
   ``strategy.scale(loss + penalty).backward()`` is exact.
 * :meth:`unscale_` divides each group's parameter gradients by its own S_l.
-* An output consumed by two groups, or by a group and a loss scaled at another group's scale (a
-  skip connection across a group boundary), is refused with one ``ValueError`` at the forward
-  pass that does it; a skip connection inside a group (ResNet's blocks under the default groups)
-  is exact. Groups that share parameters (tied weights) are merged into one at :meth:`attach`,
-  with one warning (:mod:`strategies.layer_groups`). A model carrying another strategy's hooks is
-  refused at :meth:`attach` (``detach()`` that one first). Not supported: reentrant activation
-  checkpointing inside groups (its inner backward is not a scaled one).
-  ``copy.deepcopy`` of an attached model copies the hooks too: detach first.
+* An output a later group reads again (T5's encoder output, read by every decoder block) is
+  exact: that call's gradient into it is converted at its input to the first consumer's scale
+  (:meth:`GroupLinks.fan_in`). A skip connection whose gradient would mix two scales (an input
+  that also depends on an output consumed at another scale) is refused with one ``ValueError`` at
+  the forward pass that does it, as is a grouped parameter used outside its group's module calls
+  at another group's scale; a skip connection inside a group is exact. Tied weights: every
+  module owning a grouped parameter is part of its group, groups sharing one merge (one warning,
+  :mod:`strategies.layer_groups`). A model carrying another strategy's hooks is refused at
+  :meth:`attach`. Not supported: reentrant activation checkpointing inside groups;
+  ``copy.deepcopy`` of an attached model (detach first).
 
 Update (per group, in place, no host sync):
 
@@ -61,7 +63,6 @@ Without :meth:`attach` it is a single-group strategy (max-EMA with power-of-two 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -70,92 +71,20 @@ import torch
 from strategies import group_links, layer_groups
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, ScaledBackwards, Trace
-from strategies.formats import round_down_pow2
+from strategies.boundaries import Boundaries, Trace
+from strategies.graph_walk import fence
 from strategies.group_links import GroupLinks
-from strategies.layer_groups import overflow_origin
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.rules import adaloss
-from strategies.rules.max_ema import MaxEmaRule, max_ema_update_
-from strategies.rules.native import native_update_
+from strategies.rules.layerwise_update import RULES, layerwise_update_
+from strategies.rules.max_ema import MaxEmaRule
+from strategies.sharding import refuse_flat_params
+from strategies.scaled_backwards import ScaledBackwards
 from strategies.state import State
 from strategies.stats import GradStats
 
 __all__ = ["LayerwiseParams", "LayerwiseStrategy", "RULES", "layerwise_update_"]
-
-RULES = ("max_ema", "backoff_growth", "adaloss")
-"""Per-group rules. ``adaloss`` (strategies/rules/adaloss.py) updates through its own op, ``adaloss_step_``
-(CPU twin and CUDA kernel, ``cuda/include/rules/adaloss.h``); the other two through
-``layerwise_update_``."""
-
-
-def layerwise_update_(
-    scales: torch.Tensor,
-    growth_trackers: torch.Tensor,
-    ema: torch.Tensor,
-    ema_steps: torch.Tensor,
-    hysteresis: torch.Tensor,
-    candidate: torch.Tensor,
-    origin: torch.Tensor,
-    found_inf: torch.Tensor,
-    group_found_inf: torch.Tensor,
-    group_absmax: torch.Tensor,
-    group_numel: torch.Tensor,
-    emitted: torch.Tensor,
-    contaminated: torch.Tensor,
-    rule: str,
-    target_max: float,
-    ema_decay: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    grow_on_zero: bool,
-    min_scale: float | None,
-    max_scale: float | None,
-    cap_ema_on_overflow: bool = False,
-) -> None:
-    """The per-group rule, in place on the device (no host sync). Every tensor has shape [G]
-    except ``found_inf`` (scalar: > 0 when any gradient of the step was non-finite).
-
-    Args:
-        scales (float32), growth_trackers (int32), ema (float32), ema_steps (int32),
-            hysteresis (int32, ``backoff_growth``'s tracker, H = 1): the per-group state; updated.
-        candidate: float32, written with each group's ``target_max / absmax`` (``max_ema``).
-        origin: float32, written with 1.0 for the groups blamed for this step's overflow.
-        group_found_inf, group_absmax, group_numel: the step's per-group statistics.
-        emitted, contaminated: float32, > 0 where a boundary hook saw a non-finite gradient
-            leave the group downward / arrive into it from above.
-        rule: ``"max_ema"`` or ``"backoff_growth"``; other arguments: hyper-parameters;
-            ``min_scale``/``max_scale`` are the power-of-two bounds (None: unbounded).
-
-    Origin = (own gradients non-finite or emitted non-finite) and not contaminated, on a
-    skipped step; if no group qualifies, every group. Origin groups run the rule with
-    found_inf = 1 (back off, EMA not fed). Groups that are not origins on a skipped step, and
-    groups that received no gradient, keep their state; every tracker restarts on a skipped step.
-    New scales are rounded down to powers of two and clamped.
-    """
-    skip = found_inf != 0
-    blamed = overflow_origin(found_inf, group_found_inf, emitted, contaminated)
-    frozen = (skip & ~blamed) | (group_numel == 0)
-    old = [t.clone() for t in (scales, growth_trackers, ema, ema_steps, hysteresis)]
-    if rule == "max_ema":
-        max_ema_update_(scales, ema, ema_steps, growth_trackers, candidate, blamed.float(), group_absmax,
-                        target_max, ema_decay, growth_factor, backoff_factor, growth_interval, True, grow_on_zero,
-                        cap_ema_on_overflow)
-    elif rule == "backoff_growth":
-        native_update_(scales, growth_trackers, hysteresis, blamed.float(),
-                       growth_factor, backoff_factor, growth_interval, 1)
-        scales.copy_(round_down_pow2(scales))
-    else:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    for t, o in zip((scales, growth_trackers, ema, ema_steps, hysteresis), old):
-        t.copy_(torch.where(frozen, o, t))
-    growth_trackers.copy_(torch.where(skip, torch.zeros_like(growth_trackers), growth_trackers))
-    if min_scale is not None or max_scale is not None:
-        scales.clamp_(min=min_scale, max=max_scale)
-    origin.copy_(blamed.float())
-
 
 def _is_pow2(x: float) -> bool:
     m, _ = math.frexp(x)
@@ -165,7 +94,7 @@ def _is_pow2(x: float) -> bool:
 @dataclass
 class LayerwiseParams(MaxEmaRule, ScalerParams):
     init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1",
-                           "every group's initial scale; rounded down to a power of two (one warning)")
+                           "every group's initial scale, a power of two")
     growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
                                         "None = 1 for rule max_ema, 2000 for rule backoff_growth")
     groups: Optional[List[str]] = hp(None, v.patterns, "scalelab",
@@ -180,11 +109,10 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
         super().check()
         if self.growth_interval is None:
             self.growth_interval = 2000 if self.rule == "backoff_growth" else 1
-        if not _is_pow2(self.init_scale):  # any positive finite scale, as GradScaler takes (3.0, 1e38)
-            rounded = 2.0 ** math.floor(math.log2(self.init_scale))
-            warnings.warn(f"layerwise: init_scale {self.init_scale!r} rounded down to the power of two {rounded!r} "
-                          "(group scales are powers of two so that boundary rescaling is exact)", stacklevel=5)
-            self.init_scale = rounded
+        if not _is_pow2(self.init_scale):  # refused, not rounded: the record would name a scale never used
+            low = 2.0 ** math.floor(math.log2(self.init_scale))
+            v.fail("init_scale", f"a power of two, e.g. {low!r} or {2 * low!r} (group scales are powers of two so "
+                   "that boundary rescaling is exact)", self.init_scale)
         lo, hi = self.pow2_bounds
         if lo is not None and hi is not None and lo > hi:
             v.fail("max_scale", f"a bound leaving a power of two in [min_scale={self.min_scale:g}, max_scale]",
@@ -254,16 +182,19 @@ class LayerwiseStrategy(Strategy):
         self.detach()
         if not self.params.enabled:
             return self
+        refuse_flat_params(model, self.name)
         resolved, param_group = layer_groups.assign(model, self.params.groups)
         modules = [m for _, mods in resolved for m in mods]
-        links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods})
+        links = GroupLinks([n for n, _ in resolved], {id(m): gi for gi, (_, mods) in enumerate(resolved) for m in mods},
+                           param_group, {id(p): n for n, p in model.named_parameters()})
         if modules:
             boundaries = Boundaries.of(model)
             self._handle = boundaries.register(
                 "rescale", modules,
                 on_grad=lambda trace, i, g: self._rescale(links, trace, i, g),
                 on_call=lambda trace, i: self._current(links, links.on_call, trace, i, self.updates),
-                on_link=lambda trace, i, below: self._current(links, links.on_link, trace, i, below),
+                on_link=lambda trace, i, below, leaves: self._current(links, links.on_link, trace, i, below, leaves),
+                on_inputs=lambda module, t: self._fan_in(links, module, t),
                 owner=self,
             )
             self._boundaries = boundaries
@@ -308,17 +239,33 @@ class LayerwiseStrategy(Strategy):
         """Attached: the boundaries rescale only the backwards of what :meth:`scale` returns."""
         return scaled if self._handle is None else self._scaled.mark(scaled)
 
+    def _acting(self, links: GroupLinks) -> bool:
+        """In a backward of a loss that went through :meth:`scale`, and of the current attach."""
+        return links is self._links and self.state is not None and self._scaled.active()
+
     def _rescale(self, links: GroupLinks, trace: Trace, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b.
-        Only in a backward of a loss that went through :meth:`scale`, and of the current attach."""
-        if links is not self._links or self.state is None or not self._scaled.active():
+        """Gradient of call i (group a), at the scale of the group b consuming it: x S_a / S_b."""
+        if not self._acting(links):
             return None
         a, b, trace_links = links.ends(trace, i)
         s = self.state
         if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
             adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
-        if a == b:
+        return None if a == b else self._convert(trace_links, a, b, grad)
+
+    def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
+        """Before a call of group b: an argument whose gradient must arrive at another group a's
+        scale (:meth:`GroupLinks.fan_in`) is fenced, and the call's gradient into it x S_a / S_b."""
+        found = links.fan_in(module, t) if links is self._links else None
+        if found is None:
             return None
+        a, b, trace_links = found
+        return fence(t, lambda g: self._convert(trace_links, a, b, g) if self._acting(links) else None)
+
+    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient at group b's scale entering group a's side: x S_a / S_b; a non-finite one
+        marks a contaminated and b as having emitted it (overflow attribution)."""
+        s = self.state
         bad = (~torch.isfinite(grad)).any().float()
         s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
         s.emitted[b] = torch.maximum(s.emitted[b], bad)

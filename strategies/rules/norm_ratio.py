@@ -41,12 +41,15 @@ the only extra work of this strategy; ``telemetry()`` reports ``probe_count``, `
 probe, not to run it, because no sync is allowed), ``probe_last_time_s``, ``norm_ratio`` (last
 raw r) and ``log_ratio_ema`` (m = log2 r_bar, the EMA of step 1).
 
-Distributed (``distributed`` keyword, see the base class): under DDP ("replicated") the probe
-all-reduces the reference gradients to their mean over ranks — the quantity the DDP-averaged
-mixed-precision gradient estimates — and both sums of squares are then MAX-reduced, so every
-rank computes the same ratio and scale; "sharded" SUM-reduces the ranks' sums of squares (the
-closure must then differentiate the rank's own shard). The closure runs the plain module, not the
-DDP wrapper.
+Distributed (``distributed`` keyword; docs/strategy-api.md, "Distributed modes"): the reference
+is always the mean over ranks of each rank's fp32 gradient — the quantity the averaged
+mixed-precision gradient estimates — so every rank computes the same ratio and scale. Under DDP
+the probe all-reduces the reference gradients and MAX-reduces both sums (the closure runs the plain
+module, not the DDP wrapper); over a ZeRO partition (``"sharded"``, plain tensors) each rank sums
+the averaged reference over the parameters its optimizers hold, and the sums are SUM-reduced; on
+FSDP-managed parameters the reference is FSDP's own backward (the closure calls the FSDP-wrapped
+model; :mod:`strategies.probe_sharded`). Which steps probe is the host's update count, the same on
+every rank (:mod:`strategies.agreement` checks it).
 
 P: the ``params`` given to :meth:`set_reference` (tensors, or ``(name, tensor)`` pairs such as
 ``model.named_parameters()``), else the parameters of the model given to :meth:`attach`, else

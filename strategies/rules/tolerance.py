@@ -16,6 +16,18 @@ backoff and ``t`` the clean steps since the last overflow (``growth_tracker``):
   ``min_loss_scale``: an overflow after which S <= ``min_scale`` restores the previous S and
   records a fault (``ScaleFloorError`` at the next ``step()``); ``clamp`` keeps S >= min_scale.
 
+**window_follows_scale** (metaseq ``metaseq/optim/dynamic_loss_scaler.py``, "When scaling up
+loss_scale, also scale up the scale_window"; "lower loss scale, smaller window"): the growth
+window ``w`` (state ``scale_window``, starting at ``growth_interval``) is multiplied by
+``growth_factor`` at each growth and by ``backoff_factor`` at each backoff (``max(floor(.), 1)``);
+growth happens when ``(t + 1) % w == 0``, ``t`` the clean steps since the last overflow, which a
+growth does *not* reset (metaseq's ``(_iter - _last_overflow_iter) % scale_window == 0``). So from
+one overflow on, the scale grows after ``w``, ``w``, ``2w``, ``4w``, ... clean steps. Exactly
+metaseq's arithmetic for ``growth_factor = 2 = 1 / backoff_factor`` (its ``scale_window *=
+scale_factor`` and ``int(scale_window / scale_factor)``); metaseq keeps the scale at its previous
+value when a backoff would take it below ``min_loss_scale``, which for power-of-two scales is
+``clamp``.
+
 ``tolerance = 0`` (fairseq's default) backs off on every overflow, i.e. torch's rule. Defaults are
 fairseq's: init 2^15, scale_window 2000, tolerance 0, threshold None, min_loss_scale 1e-4 (here
 a clamp unless ``on_min_scale="raise"``). fairseq's guard ``iter_since_rescale == 0 -> 1000`` is
@@ -58,6 +70,7 @@ def tolerance_update_(
     fault: torch.Tensor | None = None,
     min_scale: float | None = None,
     step: int = 0,
+    scale_window: torch.Tensor | None = None,
 ) -> None:
     """fairseq's rule, in place on the device (no host sync); see the module docstring. The Python
     twin (and oracle) of the fused op ``torch.ops.scalelab.tolerance_update_`` (same arguments),
@@ -68,6 +81,8 @@ def tolerance_update_(
             int64 o; found_inf: float32, > 0 on a non-finite step.
         fault: int64 fault flag (``on_min_scale="raise"``) or None (clamp: the base clamps);
             with it, an overflow leaving S <= ``min_scale`` restores S and records ``step``.
+        scale_window: int64 growth window w (``window_follows_scale``) or None (w =
+            ``growth_interval``, reset of t at growth: fairseq).
     """
     found = found_inf != 0
     o1 = overflows + 1
@@ -77,7 +92,9 @@ def tolerance_update_(
     if threshold is not None:
         backed = torch.clamp(backed, min=threshold)
     t1 = growth_tracker + 1
-    grow = ~found & (t1 == growth_interval)
+    follow = scale_window is not None
+    w = torch.clamp(scale_window, min=1) if follow else None  # a valid state has w >= 1 (as the op)
+    grow = ~found & ((t1 % w == 0) if follow else (t1 == growth_interval))
     grown = (wide * growth_factor).float()
     new = torch.where(back, backed, scale)
     new = torch.where(grow & torch.isfinite(grown), grown, new)
@@ -87,9 +104,14 @@ def tolerance_update_(
         new = torch.where(hit, scale, new)
     rescaled = back | grow
     scale.copy_(new)
-    growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(t1), t1))
+    reset = found if follow else found | grow
+    growth_tracker.copy_(torch.where(reset, torch.zeros_like(t1), t1))
     since_rescale.copy_(torch.where(rescaled, torch.ones_like(since_rescale), since_rescale + 1))
     overflows.copy_(torch.where(back, torch.zeros_like(o1), torch.where(found, o1, overflows)))
+    if follow:
+        wider = (w.double() * growth_factor).long()
+        narrower = torch.clamp((w.double() * backoff_factor).long(), min=1)
+        scale_window.copy_(torch.where(grow, wider, torch.where(back, narrower, scale_window)))
 
 
 @dataclass
@@ -101,6 +123,13 @@ class ToleranceParams(FloorParams, ScalerParams):
                           "back off when overflows / steps since the last rescale reach this fraction")
     threshold: Optional[float] = hp(None, v.optional(v.finite_positive), "fairseq DynamicLossScaler",
                                     "floor of the backed-off scale (null: none)")
+    window_follows_scale: bool = hp(False, v.boolean, "metaseq DynamicLossScaler",
+                                    "the growth window grows and shrinks with the scale (module docstring)")
+
+
+def window_follows(params: ToleranceParams) -> bool:
+    """Whether the rule keeps metaseq's growth window (the ``scale_window`` state)."""
+    return bool(params.window_follows_scale)
 
 
 @register_strategy("tolerance")
@@ -113,6 +142,7 @@ class ToleranceStrategy(Strategy):
         State("since_rescale", torch.int64, 1, low=1),
         State("overflows_since_rescale", torch.int64, 0, low=0),
         FLOOR_FAULT,
+        State("scale_window", torch.int64, "growth_interval", low=1, when=window_follows),
     )
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:

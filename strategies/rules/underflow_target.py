@@ -37,10 +37,13 @@ import torch
 
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.boundaries import Boundaries, ScaledBackwards, layers
+from strategies.boundaries import Boundaries
 from strategies.formats import FP16_MIN_NORMAL
+from strategies.model_layers import layers
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
+from strategies.scaled_backwards import ScaledBackwards
+from strategies.sharding import refuse_flat_params
 from strategies.state import State
 from strategies.stats import E_BINS, E_LO, GradStats, exponent_histogram
 
@@ -112,6 +115,7 @@ class UnderflowTargetStrategy(Strategy):
         """Observe ``model``'s layer boundaries (replacing an earlier attach). Raises
         ``ValueError`` while the model carries another strategy's hooks (``detach()`` that one)."""
         self.detach()
+        refuse_flat_params(model, self.name)
         modules = [model.get_submodule(name) for name in layers(model)] or [model]
         self._boundaries = Boundaries.of(model)
         self._handle = self._boundaries.register("observe", modules, on_grad=self._observe, owner=self)

@@ -419,6 +419,47 @@ def test_jobs_that_died_before_writing_a_summary(tmp_path, capsys):
     _still_compares(md)
 
 
+def test_dead_jobs_whose_overrides_name_no_precision(tmp_path, capsys):
+    """Issue 29: jobs that died before their summary, whose overrides name a model and data (so
+    a workload) but no precision, ended the report in ``KeyError: nan`` (the interval figure's
+    colour of precision NaN) or a ``TypeError`` (the cross-workload profile sorting (workload,
+    NaN)). They are listed as incomplete, not compared, and the rest of the report is written."""
+    root = _sweep(tmp_path)
+    for job, extra in (("20", []), ("21", ["strategy=native", "seed=0"])):
+        (root / job / ".hydra").mkdir(parents=True)
+        (root / job / ".hydra" / "overrides.yaml").write_text(
+            "".join(f"- {o}\n" for o in ["model=mlp", "data=synthetic", *extra]))
+    (root / "21" / "metrics.jsonl").write_text(
+        json.dumps({"kind": "train", "step": 5, "loss": 1.0, "scale": 2.0}) + "\n")
+    md, status = _report(root, tmp_path, capsys)
+    for job in ("20", "21"):
+        row = _row(status, f"sweep/{job}")
+        assert "**incomplete**" in row and "identity incomplete" in row
+    _still_compares(md)
+
+
+@pytest.mark.parametrize("key, value", [("strategy", ["max_ema"]), ("precision", {"fp16": 1}),
+                                        ("seed", "zero")])
+def test_a_finished_run_whose_identity_has_a_crafted_type(tmp_path, capsys, key, value):
+    """Issue 29: a completed run whose summary holds a value of the wrong type for its strategy
+    or precision, with overrides that do not name it, ended the report in ``IndexError`` (its
+    nameless group ranked first in the verdict) or ``KeyError: nan``. Its group is not ranked;
+    the run is listed with the bad key, and the others are still compared."""
+    root = _sweep(tmp_path)
+    s = _summary(root / "3")  # max_ema, seed 0: the best loss of the sweep
+    s[key] = value
+    (root / "3" / "summary.json").write_text(json.dumps(s))
+    (root / "3" / ".hydra" / "overrides.yaml").write_text("- model=mlp\n")
+    md, status = _report(root, tmp_path, capsys)
+    row = _row(status, "sweep/3")
+    assert f"wrong type for {key}" in row
+    if key != "seed":
+        assert "identity incomplete" in row
+        res = pd.read_csv(tmp_path / "out" / "results.csv")
+        assert res[res[key].isna()]["rank"].isna().all()
+    assert "`max_ema` vs `native`" in md
+
+
 @pytest.mark.slow
 def test_a_real_sweep_whose_jobs_fail_at_construction(tmp_path, capsys):
     """scalelab-train -m where one of two jobs is refused by the strategy's constructor

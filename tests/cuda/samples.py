@@ -79,11 +79,14 @@ def _underflow_target(found: float, observed: bool, filled: bool) -> tuple[Any, 
     return (torch.tensor(2.0**15), hist, torch.tensor(found), 1e-3, 32768.0, FP16_MIN_NORMAL, 2.0, 0.5, 32, observed)
 
 
-def _tolerance(found: float, tolerance: float, threshold: float | None, raise_: bool) -> tuple[Any, ...]:
-    """S = 2^14, t = interval - 1 (a clean step grows), r = 2, o = 0 (an overflow is 1/2 of r)."""
+def _tolerance(found: float, tolerance: float, threshold: float | None, raise_: bool,
+               window: int | None = None) -> tuple[Any, ...]:
+    """S = 2^14, t = interval - 1 (a clean step grows), r = 2, o = 0 (an overflow is 1/2 of r);
+    ``window``: metaseq's growth window w (t + 1 = 3 grows when w divides 3)."""
     fault = torch.tensor(0, dtype=I64) if raise_ else None
+    w = None if window is None else torch.tensor(window, dtype=I64)
     return (torch.tensor(2.0**14), torch.tensor(2, dtype=I32), torch.tensor(2, dtype=I64), torch.tensor(0, dtype=I64),
-            torch.tensor(found), 2.0, 0.5, 3, tolerance, threshold, fault, 2.0**13 if raise_ else 1e-4, 7)
+            torch.tensor(found), 2.0, 0.5, 3, tolerance, threshold, fault, 2.0**13 if raise_ else 1e-4, 7, w)
 
 
 def _adaloss_step(found: float, blame: bool, bounds: tuple[float | None, float | None]) -> tuple[Any, ...]:
@@ -133,7 +136,8 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "underflow_target_update_": [lambda: _underflow_target(0.0, True, True), lambda: _underflow_target(0.0, True, False),
                                  lambda: _underflow_target(1.0, False, True)],
     "tolerance_update_": [lambda: _tolerance(0.0, 0.0, None, False), lambda: _tolerance(1.0, 0.25, 2.0**13.5, False),
-                          lambda: _tolerance(1.0, 0.5, None, True)],
+                          lambda: _tolerance(1.0, 0.5, None, True), lambda: _tolerance(0.0, 0.0, None, False, 3),
+                          lambda: _tolerance(1.0, 0.25, None, True, 5)],
     "adaloss_step_": [lambda: _adaloss_step(0.0, False, (None, None)), lambda: _adaloss_step(1.0, True, (None, 2.0**8)),
                       lambda: _adaloss_step(1.0, False, (2.0, 2.0**20))],
     "record_step_": [lambda: _record_step(1, 0.0, (None, None)), lambda: _record_step(4, 1.0, (1.0, 2.0**24)),

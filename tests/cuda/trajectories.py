@@ -175,18 +175,20 @@ def load_hist(op):
 
 TOLERANCE_CASES = [
     # tolerance, threshold, on_min_scale (None: no floor, clamp: min_scale given, no fault), min_scale,
-    # growth, backoff, interval, initial S
-    (0.0, None, None, None, 2.0, 0.5, 3, 2.0**15),
-    (0.25, 2.0**7.5, "clamp", 2.0**9, 2.0, 0.5, 16, 2.0**10),
-    (1.0, None, "raise", 2.0**8, 2.0, 0.5, 2, 2.0**10),
-    (0.25, None, "raise", 1e-4, 1.7, 0.6, 1, 2.0**120),
-    (0.5, 3.1, None, 1e-4, 2.0, 0.5, 5, 2.0**6),
+    # growth, backoff, interval, initial S, window_follows_scale (metaseq)
+    (0.0, None, None, None, 2.0, 0.5, 3, 2.0**15, False),
+    (0.25, 2.0**7.5, "clamp", 2.0**9, 2.0, 0.5, 16, 2.0**10, False),
+    (1.0, None, "raise", 2.0**8, 2.0, 0.5, 2, 2.0**10, False),
+    (0.25, None, "raise", 1e-4, 1.7, 0.6, 1, 2.0**120, False),
+    (0.5, 3.1, None, 1e-4, 2.0, 0.5, 5, 2.0**6, False),
+    (0.0, None, None, None, 2.0, 0.5, 4, 2.0**10, True),
+    (0.25, None, "raise", 2.0**4, 1.7, 0.6, 3, 2.0**10, True),
 ]
 
 def tolerance_trajectory(case):
     """Overflow rate switching every 40 steps among 0.02, 0.3 and 0.8, so the fraction o / r
     crosses every tolerance; interval 1 from 2^120 reaches a non-finite grown S (kept)."""
-    tol, threshold, floor, min_scale, growth, backoff, interval, s0 = case
+    tol, threshold, floor, min_scale, growth, backoff, interval, s0, follow = case
     gen = torch.Generator().manual_seed(int(tol * 100) + interval)
     steps, rate = [], 0.02
     for i in range(STEPS):
@@ -194,23 +196,26 @@ def tolerance_trajectory(case):
             rate = (0.02, 0.3, 0.8)[int(torch.randint(0, 3, (), generator=gen))]
         steps.append((torch.tensor(float(torch.rand((), generator=gen) < rate)), i + 1))
     state = (torch.tensor(s0), torch.zeros((), **I32), torch.ones((), **I64), torch.zeros((), **I64),
-             torch.zeros((), **I64))
-    hyper = (growth, backoff, interval, tol, threshold, floor == "raise", min_scale)
+             torch.zeros((), **I64), torch.tensor(interval, **I64))
+    hyper = (growth, backoff, interval, tol, threshold, floor == "raise", min_scale, follow)
 
     def check(state):
         assert state[0].item() != s0, "S never moved"
+        if follow:
+            assert state[5].item() != interval, "the window never moved"
         if floor == "raise" and min_scale > 1.0:
             assert state[4].item() > 0, "the floor never faulted"
 
     return state, steps, hyper, check
 
 def fault_state(op):
-    """tolerance's fault is state (cloned and compared) but sits among the hyper-parameters, and
-    each step passes its number: (state..., fault, found, step, hyper..., raise, min_scale)."""
-    def run(scale, tracker, since, overflows, fault, found, step, growth, backoff, interval, tol, threshold,
-            raise_, min_scale):
+    """tolerance's fault and window are state (cloned and compared) but sit among the
+    hyper-parameters, and each step passes its number: (state..., fault, window, found, step,
+    hyper..., raise, min_scale, follow)."""
+    def run(scale, tracker, since, overflows, fault, window, found, step, growth, backoff, interval, tol, threshold,
+            raise_, min_scale, follow):
         op(scale, tracker, since, overflows, found, growth, backoff, interval, tol, threshold,
-           fault if raise_ else None, min_scale, step)
+           fault if raise_ else None, min_scale, step, window if follow else None)
     return run
 
 ADALOSS_CASES = [

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -32,6 +33,12 @@ def documented(start: str, end: str) -> set[str]:
 
 REPO = CONF_DIR.parent
 
+PRETRAINED_DIR = Path(tempfile.gettempdir()) / f"scalelab-tests-pretrained-{os.getuid()}"
+"""Where the tests' tiny pretrained GPTs are cached (experiments/workloads/pretrained.py): made once per machine."""
+PRETRAINED_TINY = ["model.block_size=8", "model.n_embd=8", "model.n_head=2", "model.pretrain_steps=3",
+                   "model.pretrain_batch_size=4", "model.pretrain_warmup=1", "model.pretrain_max_bytes=20000",
+                   f"model.cache_dir={PRETRAINED_DIR}"]
+
 # Tiny sizes per model: a few hundred thousand FLOPs per step, so a run is well under a second.
 TINY = {
     "gpt": [
@@ -45,6 +52,15 @@ TINY = {
     "cnn": [
         "model=cnn", "data=images", "model.width=4", "model.depth=2", "data.image_size=8",
         "data.max_shift=1", "data.n_train=256", "data.n_val=128", "train.batch_size=16",
+    ],
+    "pretrainedgpt": [  # the finetune workload's model and text, pretrained for 3 steps (cached once per machine)
+        "model=gpt_pretrained", "data=finetune_chars", *PRETRAINED_TINY, "data.block_size=8", "data.max_bytes=20000",
+        "data.eval_batch_size=16", "train.batch_size=8",
+    ],
+    "rl": [  # the rl workload: 2 prompts x 4 samples, 4 + 4 bytes
+        "model=gpt_pretrained", "data=rl_vowels", *PRETRAINED_TINY, "data.prompts=2", "data.group_size=4",
+        "data.prompt_len=4", "data.completion_len=4", "data.eval_prompts=8", "data.max_bytes=20000",
+        "data.eval_batch_size=16", "train.checkpoint_every=0",
     ],
 }
 QUIET = ["logger=none", "train.progress=false", "train.eval_batches=2", "threads=1"]

@@ -3,6 +3,10 @@ refused with one-line errors naming the option; ``instantiate`` is restricted.""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,7 @@ from experiments.app.config import RunConfig
 from experiments.app.loggers import RunInfo
 from experiments.workloads.precision import Precision
 from experiments.app.train import CONF_DIR, GROUPS, group_options
-from tests.experiments.runs import QUIET, TINY, compose_cfg
+from tests.experiments.runs import QUIET, REPO, TINY, cli, compose_cfg
 
 # Which tiny model goes with each data option, and which data with each model option.
 def tiny_for_model(option: str) -> str:
@@ -37,7 +41,8 @@ def tiny_for_model(option: str) -> str:
     return cfg["_target_"].rsplit(".", 1)[-1].lower()
 
 
-MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn"}
+MODEL_FOR_DATA = {"stdlib_chars": "gpt", "vectors": "mlp", "images": "cnn", "finetune_chars": "pretrainedgpt",
+                  "rl_vowels": "rl"}
 _RUN = RunInfo(run_dir=Path("/nonexistent"), run_id="test", config={}, group="g", job_type="j", name="n")
 
 
@@ -180,6 +185,36 @@ def test_instantiate_refuses_foreign_targets(target: str, needle: str) -> None:
     assert "antigravity" not in sys.modules
 
 
+REFUSED_TARGETS = ["torch._dynamo.foo", "torch._inductor.config", "torch.onnx.export", "os.system",
+                   "torch.distributed.run.main", "experiments.app.checkpoint.torch._dynamo.reset",
+                   "strategies.doctor.diagnose", "torch.optim.Optimizer.__init__.__globals__"]
+
+
+def test_judging_a_refused_target_imports_nothing() -> None:
+    """Issue 29: resolving ``torch._dynamo.foo`` to refuse it imported ``torch._dynamo`` (torch's
+    lazy module ``__getattr__``). In a fresh process, every refusal leaves ``sys.modules`` as it was."""
+    code = ("import sys, json\n"
+            "from experiments.app.build import ConfigError, check_targets\n"
+            "import experiments.app.checkpoint\n"
+            f"targets = {REFUSED_TARGETS!r}\n"
+            "before = set(sys.modules)\n"
+            "out = []\n"
+            "for t in targets:\n"
+            "    try:\n"
+            "        check_targets({'_target_': t}, 'optimizer')\n"
+            "        out.append([t, 'accepted'])\n"
+            "    except ConfigError as exc:\n"
+            "        out.append([t, str(exc)])\n"
+            "print(json.dumps({'new': sorted(set(sys.modules) - before), 'out': out}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["new"] == []
+    for target, message in result["out"]:
+        assert message.startswith(f"optimizer._target_={target!r} is not allowed ("), message
+
+
 @pytest.mark.parametrize("group", ["strategy", "model", "data", "optimizer"])
 def test_every_group_refuses_a_file_writing_target(group: str, tmp_path: Path) -> None:
     """``strategy._target_=experiments.app.records.write_json_atomic`` and the like fail in RunConfig.from_hydra(),
@@ -212,3 +247,24 @@ def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch: pytest.
     with pytest.raises(ConfigError, match=r"^the configuration does not resolve: ") as err:
         RunConfig.from_hydra(compose_cfg("seed=${oc.env:SCALELAB_SURELY_UNSET}"))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["~model._target_"], "model has no _target_ (a partial model config: "),
+    (["model=mlp", "data=vectors", "~data._target_"], "data has no _target_ (a partial data config: "),
+    (["model.n_embd=???"], "model.n_embd has no value (??? in the composed config): set it on the command line"),
+    (["model.n_embd=???", "model.n_head=???"], "model.n_embd, model.n_head have no value"),
+])
+def test_a_partial_group_config_is_one_line_before_hydra_writes(tmp_path: Path, overrides: list[str],
+                                                               message: str) -> None:
+    """Issue 29: a model or data group without its ``_target_`` or with a value left ``???`` ended in
+    a Python traceback (``KeyError: '_target_'``, ``MissingMandatoryValue``) once Hydra had started."""
+    run_dir = tmp_path / "run"
+    proc = cli(*overrides, *QUIET, "train.steps=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"scalelab-train: error: {message}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_hydra(compose_cfg(*overrides))
+    assert str(err.value).startswith(message)

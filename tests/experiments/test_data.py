@@ -35,6 +35,15 @@ def test_char_data_is_the_stdlib_bytes_with_a_fixed_tail_split() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ev1, ev2))
 
 
+def test_each_seed_draws_its_own_batches() -> None:
+    """Seeds fix the data order: (seed, step) -> its own batch. torch's CPU generator keeps only the
+    low 32 bits of a seed, which seed * 2**32 + step left to the step alone (every seed the same data)."""
+    data = CharData(block_size=8, max_bytes=20_000)
+    batches = {(seed, step): data.batch(4, step_generator(seed, step))[0] for seed in range(3) for step in range(1, 4)}
+    assert len({tuple(b.flatten().tolist()) for b in batches.values()}) == len(batches)
+    assert torch.equal(batches[(1, 2)], data.batch(4, step_generator(1, 2))[0])
+
+
 @pytest.mark.parametrize("cls,kw", [(TeacherVectors, {"n_train": 300, "n_val": 100}),
                                     (TemplateImages, {"n_train": 300, "n_val": 100, "image_size": 8, "max_shift": 1})])
 def test_synthetic_sets_depend_on_data_seed_only(cls, kw) -> None:

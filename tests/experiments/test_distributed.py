@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import strategies
 from experiments.app import distributed as D
@@ -107,14 +108,22 @@ def _opt_state(opt: torch.optim.Optimizer) -> torch.Tensor:
     return _flat(s["exp_avg"] for s in opt.state.values()) if opt.state else torch.zeros(0)
 
 
-def _run_strategy(name: str, mode: str, info: D.DistInfo) -> list[dict[str, Any]]:
+VARIANTS = ("auto", "nostats", "no_sync", "zero")
+"""How the 2-rank runs differ: ``auto`` (DDP, statistics on), ``nostats`` (``track_stats=False``:
+only found_inf is reduced), ``no_sync`` (``track_stats=False``, a first micro-batch accumulated under
+DDP's ``no_sync()``), ``zero`` (``track_stats=False``, torch's ``ZeroRedundancyOptimizer``)."""
+
+
+def _run_strategy(name: str, mode: str, info: D.DistInfo, variant: str = "auto") -> list[dict[str, Any]]:
     """STEPS training steps of a tiny DDP MLP under strategy ``name``; one record per step."""
     torch.manual_seed(0)
     model = MLP(in_features=8, num_classes=4, width=16, depth=2)
     ddp = D.wrap_model(model, info)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2) if variant == "zero" \
+        else torch.optim.Adam(model.parameters(), lr=1e-2)
     strat = strategies.create(
-        name, init_scale=2.0**10, growth_interval=1, distributed=mode, **EXTRA_KWARGS.get(name, {})
+        name, init_scale=2.0**10, growth_interval=1, distributed=mode, track_stats=variant == "auto",
+        **EXTRA_KWARGS.get(name, {})
     )
     strat.attach(model)
     gen = torch.Generator().manual_seed(D.rank_seed(1, info.rank))  # a different batch on each rank
@@ -128,6 +137,9 @@ def _run_strategy(name: str, mode: str, info: D.DistInfo) -> list[dict[str, Any]
     for step in range(STEPS):
         batch["x"], batch["y"] = _batch(gen)
         opt.zero_grad(set_to_none=True)
+        if variant == "no_sync":  # a first micro-batch accumulated without DDP's all-reduce
+            with ddp.no_sync():
+                strat.scale(F.cross_entropy(ddp(batch["x"][:4]), batch["y"][:4])).backward()
         loss = F.cross_entropy(ddp(batch["x"]), batch["y"])
         strat.scale(loss).backward()
         if info.rank == 1 and step == INF_STEP:
@@ -166,9 +178,9 @@ def _worker(rank: int, tmp: str) -> None:
         out["sum"] = total.tolist()
         out["broadcast"] = D.broadcast_object(f"dir-of-rank-{rank}", info)
         out["runs"] = {
-            (name, mode): _run_strategy(name, mode, info)
+            (name, mode, variant): _run_strategy(name, mode, info, variant)
             for name in strategies.available()
-            for mode in ("auto", "off")
+            for mode, variant in (("auto", "auto"), ("off", "auto"), *(("auto", v) for v in VARIANTS[1:]))
         }
         torch.distributed.barrier()
         torch.save(out, Path(tmp) / f"rank{rank}.pt")
@@ -195,9 +207,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", strategies.available())
-def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str) -> None:
-    r0, r1 = (r["runs"][(name, "auto")] for r in ranks)
+def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any]], name: str, variant: str) -> None:
+    """Also without statistics (``track_stats=False``: issue 29, the found_inf of empty statistics
+    replaced the real one, so every rank stepped on the Inf), under ``no_sync`` and ZeRO."""
+    r0, r1 = (r["runs"][(name, "auto", variant)] for r in ranks)
     for step in range(STEPS):
         a, b = r0[step], r1[step]
         assert a["scale"] == b["scale"], f"step {step}: scales differ {a['scale']} vs {b['scale']}"
@@ -208,7 +223,8 @@ def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any
             assert _same(a["telemetry"][key], b["telemetry"][key]), f"step {step}: telemetry {key!r} differs"
         if step < SPIKE_STEP:  # the spike changes rank 1's update, so parameters part after it
             assert torch.equal(a["params"], b["params"]), f"step {step}: parameters differ across ranks"
-            assert torch.equal(a["opt_state"], b["opt_state"]), f"step {step}: optimizer state differs"
+            if variant != "zero":  # ZeRO: each rank holds its own partition of the optimizer state
+                assert torch.equal(a["opt_state"], b["opt_state"]), f"step {step}: optimizer state differs"
         expect_skip = step in (INF_STEP, NAN_STEP)
         assert a["stepped"] is b["stepped"] is (not expect_skip), f"step {step}: stepped {a['stepped']}/{b['stepped']}"
         if expect_skip:
@@ -223,6 +239,8 @@ def test_inf_or_nan_on_one_rank_skips_the_step_on_both(ranks: list[dict[str, Any
             else:
                 assert a["scale"] < prev["scale"], "a skipped step must back the scale off"
     assert r0[-1]["telemetry"]["skipped_steps"].item() == 2
+    if variant != "auto" and not strategies.get(name).needs_stats:
+        return
     # the finite spike (x1000 on rank 1) is in the agreed abs-max: statistics were reduced, not local
     spike, prev = r0[SPIKE_STEP]["telemetry"]["grad_absmax"], r0[SPIKE_STEP - 1]["telemetry"]["grad_absmax"]
     assert spike.item() > 100 * prev.item()
@@ -235,7 +253,7 @@ def test_without_all_reduce_the_ranks_disagree(ranks: list[dict[str, Any]], name
     if name == "underflow_target":
         pytest.skip("underflow_target places S from each rank's own activation gradients every step (its "
                     "histogram is declared reduce='sum'): without the reduction its ranks part before the Inf step")
-    r0, r1 = (r["runs"][(name, "off")] for r in ranks)
+    r0, r1 = (r["runs"][(name, "off", "auto")] for r in ranks)
     assert torch.equal(r0[INF_STEP - 1]["params"], r1[INF_STEP - 1]["params"])  # DDP kept them equal so far
     assert r0[INF_STEP]["stepped"] and not r1[INF_STEP]["stepped"]
     assert not torch.equal(r0[INF_STEP]["params"], r1[INF_STEP]["params"])

@@ -27,7 +27,7 @@ SUMMARY_KEYS = {
     "status", "error", "strategy", "precision", "model", "data", "regime", "workload", "seed", "sweep",
     "steps", "final_train_loss", "final_eval_loss", "best_eval_loss", "final_eval_metric",
     "skipped_steps", "mean_step_time_s", "strategy_overhead_s", "strategy_overhead_frac", "diverged",
-    "fingerprint",
+    "survived", "fingerprint", "segments",
 }
 
 
@@ -51,6 +51,7 @@ def test_run_record_follows_the_documented_format(tmp_path: Path) -> None:
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert summary["status"] == "completed" and summary["steps"] == 20 and summary["diverged"] is False
+    assert summary["survived"] is True
     assert summary["workload"] == "mlp/vectors/plain" and summary["seed"] == 3 and summary["strategy"] == "native"
     assert summary["final_eval_loss"] == evals[-1]["eval_loss"]
     assert summary["best_eval_loss"] == min(e["eval_loss"] for e in evals)
@@ -126,9 +127,10 @@ def test_every_strategy_trains_in_fp16(tmp_path: Path, strategy: str) -> None:
     assert summary["status"] == "completed" and summary["strategy"] == ("none" if strategy == "none" else strategy)
     train = [r for r in rows if r["kind"] == "train"]
     assert all(math.isfinite(r["scale"]) and r["scale"] > 0 for r in train)
-    if strategy in ("layerwise_adaloss", "underflow_target"):
+    if strategy in ("layerwise_adaloss", "underflow_target", "metaseq", "static8"):
         # They place S from measured statistics at the smallest scale that keeps the gradients
-        # normal (adaloss starts at 1): the x1e4 spike at step 4 fits, nothing is skipped.
+        # normal (adaloss starts at 1), or start small (metaseq at 4, static8 at 8): the x1e4
+        # spike at step 4 fits, nothing is skipped.
         assert train[0]["skipped"] is False and summary["skipped_steps"] == 0
     elif strategy != "none":
         # The x1e4 spike at step 4 overflows fp16 at 2^16: the step is skipped and counted.

@@ -59,6 +59,9 @@ def test_the_job_line_names_the_job_and_survives_a_missing_record() -> None:
                                   "status": "completed", "final_eval_loss": 2.41234, "skipped_steps": 2})
     assert line == "[ 3/12] fp16 tiny_grad max_ema seed 4: completed, final eval loss 2.412, 2 skipped | 30s, ETA 1m30s"
     assert job_line(1, 1, 0.0, {}).startswith("[1/1] ? ? ? seed ?: no record, final eval loss n/a")
+    rl = job_line(1, 2, 10.0, {"precision": "fp16", "regime": "rl", "strategy": "verl", "seed": 0, "status": "completed",
+                               "final_reward": 0.58594, "final_eval_loss": 3.0, "skipped_steps": 0})
+    assert rl.startswith("[1/2] fp16 rl verl seed 0: completed, final reward 0.5859, final eval loss 3, 0 skipped")
 
 
 def test_the_sweeper_composes_a_covering_sample_before_launch(monkeypatch) -> None:

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from strategies.boundaries import Boundaries, layers
+from strategies.boundaries import Boundaries
+from strategies.graph_walk import fence
+from strategies.model_layers import layers
 
 
 def mlp(seed: int = 0) -> torch.nn.Sequential:
@@ -116,7 +118,7 @@ def test_disabled_runs_no_transform_and_handles_remove_their_hooks() -> None:
     F.mse_loss(ref(x), torch.ones(8, 1)).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     h1.remove()
-    assert hook_count(model) == 3  # layer 2 (observe) + the model's pre/post hooks
+    assert hook_count(model) == 4  # layer 2 (observe: its pre- and post-hook) + the model's pre/post hooks
     h2.remove()
     assert hook_count(model) == 0
     with pytest.raises(ValueError, match="stage must be one of rescale, quantize, observe"):
@@ -173,3 +175,50 @@ def test_transforms_reach_outputs_modified_in_place_after_the_hooked_layer() -> 
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     assert torch.equal(model.a.weight.grad, ref.a.weight.grad) and model.a.weight.grad.abs().sum() > 0
     h.remove(), h2.remove()
+
+
+class Aliased(torch.nn.Module):
+    """One Linear at two paths: inside ``outer`` (called there) and at the top (called there too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.inner = torch.nn.Linear(4, 4)
+        self.outer = torch.nn.Sequential(self.inner, torch.nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.outer(x))
+
+
+def test_a_call_nested_in_a_call_of_the_same_users_modules_is_seen_once() -> None:
+    """A user hooking ``inner`` and ``outer`` sees ``outer`` and the top-level ``inner`` call, not the
+    ``inner`` call inside ``outer``; a user hooking ``inner`` alone sees both of its calls."""
+    model = Aliased()
+    b = Boundaries.of(model)
+    both: list[int] = []
+    alone: list[int] = []
+    h1 = b.register("observe", [model.inner, model.outer], on_call=lambda t, i: both.append(id(t.calls[i])))
+    h2 = b.register("observe", [model.inner], on_call=lambda t, i: alone.append(id(t.calls[i])))
+    model(torch.randn(2, 4))
+    assert both == [id(model.outer), id(model.inner)] and alone == [id(model.inner)] * 2
+    h1.remove(), h2.remove()
+
+
+def test_on_inputs_replaces_an_argument_and_walks_stop_at_its_fence() -> None:
+    """``on_inputs`` returns a fence for layer 2's input: its hook sees the gradient layer 2 sends
+    down, and the walk from layer 2's inputs no longer reaches layer 0."""
+    model = mlp(4)
+    b = Boundaries.of(model)
+    below: list[list[int]] = []
+    seen: list[torch.Tensor] = []
+    h = b.register("rescale", [model[0], model[2]],
+                   on_inputs=lambda m, t: fence(t, lambda g: seen.append(g) or g * 2.0) if m is model[2] else None,
+                   on_link=lambda t, i, found, leaves: below.append([k for _, k in found]))
+    x = torch.randn(8, 4)
+    F.mse_loss(model(x), torch.ones(8, 1)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    h.remove()
+    model.zero_grad()
+    F.mse_loss(model(x), torch.ones(8, 1)).backward()
+    assert below == [[], []] and len(seen) == 1  # layer 2 reached nothing past its fence
+    assert torch.equal(grads[0], 2 * model[0].weight.grad) and torch.equal(grads[2], model[2].weight.grad)

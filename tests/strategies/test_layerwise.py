@@ -227,7 +227,7 @@ def test_detach_removes_every_hook_and_returns_to_one_group() -> None:
     model = deep_mlp(seed=7)
     base = hook_count(model)
     s = strategies.create("layerwise").attach(model)
-    assert hook_count(model) == base + 2 + 5
+    assert hook_count(model) == base + 2 + 2 * 5  # the root's pre/post hooks, each group's pre/post hook
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         step_once(model, opt, s, step)
@@ -239,7 +239,7 @@ def test_detach_removes_every_hook_and_returns_to_one_group() -> None:
     assert s.telemetry()["found_inf"].item() == 0.0
     s.attach(model)
     s.attach(model)  # re-attaching replaces, never stacks
-    assert hook_count(model) == base + 2 + 5
+    assert hook_count(model) == base + 2 + 2 * 5  # the root's pre/post hooks, each group's pre/post hook
 
 
 def test_attached_steps_never_sync() -> None:
@@ -330,11 +330,24 @@ def test_default_groups_of_the_project_models_are_exact(k: int) -> None:
 
 
 def test_a_group_that_is_never_called_is_refused() -> None:
+    """A ModuleList group: its members' ops feed ``head`` at head's scale, refused at the forward
+    that does it; groups with gradients none of whose modules ran since the update, at ``unscale_``."""
     model, x, loss_fn, _ = _project_models()[1]
     s = strategies.create("layerwise", groups=["layers", "head"]).attach(model)  # a ModuleList: never called
+    s.scale(torch.ones(()))
+    with pytest.raises(ValueError, match=r"parameter 'layers\.2\.0\.weight' \(group 'layers'\) is used outside the "
+                                         r"calls of its group's modules, by ops at group 'head''s scale"):
+        model(x)
+    model, x, loss_fn, _ = _project_models()[1]
+    s = strategies.create("layerwise").attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    s.scale(loss_fn(model(x))).backward()
-    with pytest.raises(RuntimeError, match=r"group 'layers' has gradients but none of its modules was called"):
+    loss = loss_fn(model(x))
+    s.scale(loss).backward(retain_graph=True)
+    s.unscale_(opt)
+    s.update()
+    opt.zero_grad()
+    s.scale(loss).backward()  # the last step's graph again: no group module ran since the update
+    with pytest.raises(RuntimeError, match=r"group 'layers.0' has gradients but none of its modules was called"):
         s.unscale_(opt)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -25,12 +23,16 @@ def test_invalid_arguments(kwargs, message) -> None:
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("init,rounded", [(1000.0, 512.0), (3.0, 2.0), (1e38, 2.0**126), (0.3, 0.25)])
-def test_any_positive_finite_init_scale_is_rounded_down_to_a_power_of_two_with_a_warning(init, rounded) -> None:
-    """As GradScaler, which torch's own tests build with 3.0 and 1e38."""
-    with pytest.warns(UserWarning, match=re.escape(f"init_scale {init!r} rounded down to the power of two {rounded!r}")):
-        s = strategies.create("layerwise", init_scale=init)
-    assert s.get_scale() == rounded
+@pytest.mark.parametrize("init,low", [(1000.0, 512.0), (3.0, 2.0), (1e38, 2.0**126), (0.3, 0.25)])
+@pytest.mark.parametrize("rule", ["max_ema", "backoff_growth", "adaloss"])
+def test_an_init_scale_that_is_not_a_power_of_two_is_refused(rule, init, low) -> None:
+    """Issue 29: ``init_scale=3.0`` was accepted and became 2 (one warning, lost in a sweep's log,
+    while the record said 3.0): a ValueError now names the field and the powers of two around it."""
+    with pytest.raises(ValueError) as e:
+        strategies.create("layerwise", rule=rule, init_scale=init)
+    assert str(e.value) == (f"init_scale must be a power of two, e.g. {low!r} or {2 * low!r} (group scales are "
+                            f"powers of two so that boundary rescaling is exact), got {init!r}")
+    assert strategies.create("layerwise", rule=rule, init_scale=low).get_scale() == low
 
 
 # ------------------------------------------------------------------ the pure per-group rule

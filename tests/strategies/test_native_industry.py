@@ -1,6 +1,7 @@
 """`native`'s industry variants against plain-Python re-statements of their sources.
 
-Each reference class below re-states, line for line, the source's own update function:
+Each reference class (``tests/strategies/restated.py``) re-states, line for line, the source's own
+update function:
 
 * Megatron-LM ``megatron/core/optimizer/grad_scaler.py`` ``DynamicGradScaler.update``;
 * DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py`` ``DynamicLossScaler.update_scale``
@@ -22,90 +23,7 @@ import torch
 import strategies
 from strategies.base import ScaleFloorError
 from tests.strategies.drivers import drive, run
-
-
-class Megatron:
-    """``DynamicGradScaler.update`` (Megatron-LM), Python floats for its one-element tensors."""
-
-    def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
-        self._scale, self.min_scale = initial_scale, min_scale
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self._growth_tracker, self._hysteresis_tracker = 0, hysteresis
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = self._scale * self.growth_factor
-
-
-class DeepSpeed:
-    """``DynamicLossScaler.update_scale`` (DeepSpeed), without its logging."""
-
-    def __init__(self, init_scale, scale_factor, scale_window, min_scale, delayed_shift,
-                 consecutive_hysteresis, raise_error_at_min_scale):
-        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
-        self.scale_factor, self.scale_window, self.min_scale = scale_factor, scale_window, min_scale
-        self.delayed_shift = self.cur_hysteresis = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.raise_error_at_min_scale = raise_error_at_min_scale
-
-    def update_scale(self, overflow: bool) -> None:
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if (self.cur_scale == self.min_scale) and self.raise_error_at_min_scale:
-                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
-                else:
-                    self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
-
-
-class Apex:
-    """``update_scale_hysteresis_cuda_kernel`` (Apex), one thread's body."""
-
-    def __init__(self, scale, growth_factor, backoff_factor, growth_interval, hysteresis):
-        self.scale, self.growth_tracker, self.hysteresis_tracker = scale, 0, hysteresis
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-
-    def update(self, found_inf: float) -> None:
-        if found_inf > 0:
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker > 0:
-                self.growth_tracker = 0
-                return
-        if found_inf:
-            self.scale = self.scale * self.backoff_factor
-            self.growth_tracker = 0
-        else:
-            successful = self.growth_tracker + 1
-            if successful == self.growth_interval:
-                new_scale = self.scale * self.growth_factor
-                if new_scale != float("inf"):
-                    self.scale = new_scale
-                self.growth_tracker = 0
-            else:
-                self.growth_tracker = successful
-        if found_inf <= 0:
-            self.hysteresis_tracker = self.hysteresis
+from tests.strategies.restated import Apex, DeepSpeed, Megatron
 
 
 def random_case(seed: int) -> tuple[list[int], dict]:

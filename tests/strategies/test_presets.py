@@ -47,6 +47,21 @@ PRESETS = {
     "max_ema_capped": ("max_ema", dict(cap_ema_on_overflow=True)),
     "layerwise_capped": ("layerwise", dict(cap_ema_on_overflow=True)),
     "static": ("static", dict(init_scale=1024.0)),
+    # the court's presets and remedies (issue 30; tests/strategies/test_court_presets.py drives them)
+    "verl": ("native", dict(init_scale=2.0**16, growth_interval=400, hysteresis=1, min_scale=None)),
+    "areal": ("native", dict(init_scale=2.0**32, growth_interval=5, hysteresis=2, hysteresis_refill="growth",
+                             min_scale=1.0, on_min_scale="clamp")),
+    "oat": ("native", dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2, hysteresis_refill="growth",
+                           min_scale=1.0, on_min_scale="raise")),
+    "min_scale_1e-10": ("native", dict(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1e-10,
+                                       on_min_scale="raise")),
+    "hysteresis2": ("native", dict(init_scale=2.0**16, growth_interval=2000, hysteresis=2, min_scale=None)),
+    "init_2p32": ("native", dict(init_scale=2.0**32, growth_interval=2000, hysteresis=1, min_scale=None)),
+    "static8": ("static", dict(init_scale=8.0)),
+    "fairseq_tolerance": ("tolerance", dict(init_scale=128.0, growth_interval=2**14, tolerance=0.25, min_scale=1e-4,
+                                            on_min_scale="raise")),
+    "metaseq": ("tolerance", dict(init_scale=4.0, growth_interval=256, tolerance=0.0, min_scale=2.0**-5,
+                                  on_min_scale="clamp", window_follows_scale=True)),
 }
 
 

@@ -15,64 +15,7 @@ import pytest
 
 import strategies
 from tests.strategies.drivers import run
-
-
-class Fairseq:
-    """``DynamicLossScaler`` (fairseq), ``update`` and ``check_overflow`` as written."""
-
-    def __init__(self, init_scale=2.0**15, scale_factor=2.0, scale_window=2000, tolerance=0.0, threshold=None,
-                 min_loss_scale=1e-4):
-        self.loss_scale = init_scale
-        self.scale_factor, self.scale_window = scale_factor, scale_window
-        self.tolerance, self.threshold = tolerance, threshold
-        self._iter, self._last_overflow_iter, self._last_rescale_iter = 0, -1, -1
-        self._overflows_since_rescale = 0
-        self.min_loss_scale = min_loss_scale
-
-    def update(self):
-        if (self._iter - self._last_overflow_iter) % self.scale_window == 0:
-            self.loss_scale *= self.scale_factor
-            self._last_rescale_iter = self._iter
-        self._iter += 1
-
-    def _decrease_loss_scale(self):
-        self.loss_scale /= self.scale_factor
-        if self.threshold is not None:
-            self.loss_scale = max(self.loss_scale, self.threshold)
-
-    def check_overflow(self, overflow):
-        if overflow:
-            prev_scale = self.loss_scale
-            iter_since_rescale = self._iter - self._last_rescale_iter
-            if iter_since_rescale == 0:
-                iter_since_rescale = 1000
-            self._last_overflow_iter = self._iter
-            self._overflows_since_rescale += 1
-            pct_overflow = self._overflows_since_rescale / float(iter_since_rescale)
-            if pct_overflow >= self.tolerance:
-                self._decrease_loss_scale()
-                self._last_rescale_iter = self._iter
-                self._overflows_since_rescale = 0
-            if self.loss_scale <= self.min_loss_scale:
-                self.loss_scale = prev_scale
-                raise FloatingPointError("Minimum loss scale reached")
-            self._iter += 1
-            raise OverflowError("setting loss scale to: " + str(self.loss_scale))
-
-
-def fairseq_trajectory(ref: Fairseq, flags: list[int]) -> tuple[list[float], int | None]:
-    """fairseq's scale after every step and the 1-based step at which it stopped (None: never)."""
-    out = []
-    for i, f in enumerate(flags):
-        try:
-            ref.check_overflow(bool(f))
-            ref.update()
-        except OverflowError:
-            pass
-        except FloatingPointError:
-            return out, i + 1
-        out.append(ref.loss_scale)
-    return out, None
+from tests.strategies.restated import Fairseq, fairseq_trajectory
 
 
 def random_case(seed: int) -> tuple[list[int], dict]:

@@ -184,8 +184,9 @@ def test_grad_scale_will_not_overflow(name, kw) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 1)
     optimizer = torch.optim.Adam(model.parameters())
+    # torch uses init_scale 1e38; 2**126 (the power of two just below) here, as layerwise takes only powers of two
     s = make_strategy(name, kw, model, lambda: ((model(x) - y) ** 2).mean(), growth_interval=1,
-                      growth_factor=2.0**4, init_scale=1e38)
+                      growth_factor=2.0**4, init_scale=2.0**126)
     x, y = torch.randn(1, 5), 1e-30 * torch.randn(1, 1)
     s.scale(((model(x) - y) ** 2).mean()).backward()
     s.step(optimizer)
