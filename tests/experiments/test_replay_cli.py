@@ -14,7 +14,7 @@ from experiments import schema
 from experiments.app.tracefile import TraceFile
 from experiments.replay import cli
 from experiments.workloads.precision import Precision
-from strategies.tracing import Trace
+from strategies.tracing import Trace, replay
 from tests.experiments.runs import read_rows, run_tiny
 
 SPIKES = ["regime=spikes", "regime.spike_steps=[3,7]", "train.steps=12", "train.log_every=4", "train.hist_every=4",
@@ -98,3 +98,16 @@ def test_a_missing_or_corrupt_trace_is_one_line(run_dir: Path, tmp_path: Path, c
     (tmp_path / schema.TRACE_NAME).write_text("\n".join([lines[0], lines[1][:-30] + '"}', *lines[2:]]) + "\n")
     code, _, err = _main(capsys, str(tmp_path), "--strategy", "native")
     assert code == 2 and "corrupt trace: line 2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_rl_run_is_traced_and_replays_as_itself(tmp_path: Path) -> None:
+    """The GRPO workload's step (``rl_step``) leaves its trace rows too: each step's loss is the one
+    logged, and its own rule replayed on it skips where it skipped and retraces its scales."""
+    summary, rows = run_tiny(tmp_path, "train.steps=6", "train.log_every=1", "precision=fp16", "strategy=native",
+                             model="rl")
+    trace = cli.load_trace(tmp_path)
+    logged = [r for r in rows if r["kind"] == "train"]
+    assert trace.steps == list(range(1, 7)) and [r["loss"] for r in logged] == pytest.approx(trace.loss, rel=1e-6)
+    replayed = replay(trace, "native")
+    assert [s.scale for s in replayed.steps] == [row[0] for row in trace.scale]
+    assert replayed.skipped_steps == [s for s, f in zip(trace.steps, trace.found_inf) if f]
