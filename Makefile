@@ -60,7 +60,7 @@ bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
 
-replay-check: setup ## Replay every strategy on other rules' traces vs real runs (~30 min of one CPU): docs/replay.md
+replay-check: setup ## Replay every strategy on other rules' traces vs real runs (2.5 min of CPU, 6 min on a loaded 2-core machine): docs/replay.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
 
 warning-eval: setup ## Fit and evaluate the early warning on labelled runs (held-out seeds, workloads): docs/early-warning.md

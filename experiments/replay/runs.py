@@ -1,7 +1,8 @@
 """In-process training runs for the checks (``make replay-check``, ``make warning-eval``): a run
 composed from overrides as ``scalelab-train`` composes it and trained in this process (no Hydra
-start-up per run). A run directory that already holds the finished run is reused as it is
-(:meth:`experiments.app.rundir.RunDir.resume_plan`), so a check re-run trains only what is missing."""
+start-up per run). A run directory that already holds the finished run of the same overrides is reused as it is, so a
+check re-run trains only what is missing; one of other overrides is trained again (the app moves
+the old records aside: ``replaced-<n>/``)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,22 @@ from experiments.app.train import CONF_DIR
 __all__ = ["train", "finished"]
 
 
-def finished(run_dir: Path) -> dict[str, Any] | None:
-    """The final summary of a finished run in ``run_dir`` (None: none, or still running)."""
+def finished(run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any] | None:
+    """The final summary of a finished run in ``run_dir`` (None: none, still running, or — when
+    ``overrides`` are given — a run of other overrides)."""
     path = run_dir / schema.SUMMARY_NAME
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
+        return None
+    if overrides is not None and (summary.get("fingerprint") or {}).get("overrides") != list(overrides):
         return None
     return summary if summary.get("status") not in (None, "running", "requeued") else None
 
 
 def train(run_dir: Path, overrides: list[str], log: Any = print) -> dict[str, Any]:
     """Train the run ``overrides`` describes into ``run_dir`` (or reuse it, finished); its summary."""
-    done = finished(run_dir)
+    done = finished(run_dir, overrides)
     if done is not None:
         return done
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -46,9 +46,13 @@ __all__ = ["MissingInput", "OVERFLOW_MODELS", "check_inputs", "group_overflow", 
 OVERFLOW_MODELS = ("auto", "persist", "bound")
 RECENT = 8
 """Steps before a recorded overflow whose abs-max tells a scale overflow from a jump (``auto``)."""
-NEAR = 0.5
+NEAR = 0.75
 """``auto``: a recorded overflow is the scale's when the recent abs-max times the recorded scale was at
-least this fraction of the format's largest value."""
+least this fraction of the format's largest value. Between the two cases it must tell apart: a
+scale that doubled into an overflow (GradScaler's growth: before it ``a * S`` was in ``[M/2, M)``,
+so ``a * S_il`` is in ``[M, 2M)``) and a rule that rides at ``M/2`` by design (``max_ema``'s target
+32768 = ``a * S_il`` ~ ``0.5 M``), whose overflow takes a jump of the gradients (``docs/replay.md``:
+at 0.5, max_ema's spikes were taken for scale overflows)."""
 
 
 class MissingInput(ValueError):

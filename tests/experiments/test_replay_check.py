@@ -4,7 +4,10 @@ it, and how long the prediction stays within 2x past it."""
 
 from __future__ import annotations
 
+import json
+
 from experiments.replay.check import agreement
+from experiments.replay.runs import finished
 from strategies.tracing import FORMATS, Trace
 from strategies.tracing.replay import ReplayResult, ReplayStep
 
@@ -38,3 +41,11 @@ def test_a_replay_that_never_differs() -> None:
     a = agreement(replayed([8, 16, 32], [False, False, False]), real)
     assert a["first_diff"] is None and a["within_before"] == 1.0
     assert a["within_after"] is None and a["useful_after"] is None
+
+
+def test_a_finished_run_is_reused_only_for_its_own_overrides(tmp_path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "fingerprint": {"overrides": ["seed=0"]}}))
+    assert finished(tmp_path, ["seed=0"])["status"] == "completed"
+    assert finished(tmp_path, ["seed=1"]) is None  # an earlier check's run of another config: trained again
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "running", "fingerprint": {"overrides": ["seed=0"]}}))
+    assert finished(tmp_path, ["seed=0"]) is None

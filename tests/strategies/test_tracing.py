@@ -129,10 +129,11 @@ def test_a_clean_step_never_overflows_at_or_below_its_recorded_scale() -> None:
 
 
 def test_auto_tells_a_scale_that_overflowed_from_a_jump() -> None:
-    """``auto``: a recorded overflow after gradients near the edge at that scale (max a * S >= NEAR * M)
-    is the scale's (``bound``: a lower scale survives it); after gradients far from it, a jump (``persist``)."""
-    near = 0.75 * 65504.0 / 1024.0  # a * S = 0.75 M >= NEAR * M
-    for before, kept in ((near, True), (0.1 * 65504.0 / 1024.0, False)):
+    """``auto``: a recorded overflow after gradients at the edge at that scale (max a * S >= NEAR * M)
+    is the scale's (``bound``: a lower scale survives it); after gradients riding at M / 2, a jump (``persist``)."""
+    grown = 1.0 * 65504.0 / 1024.0  # a * S = M: a scale that doubled from a * S = M / 2 into the overflow
+    riding = 0.5 * 65504.0 / 1024.0  # a * S = M / 2: max_ema's target; its overflow takes a jump
+    for before, kept in ((grown, True), (riding, False)):
         t = Trace(["a"], [1], format=FORMATS["fp16"])
         for step in range(1, 1 + RECENT):
             t.add_row(step, [0.0, 1.0, before, 1.0, 0.0, 0.0, 0.1, 1024.0, before])
