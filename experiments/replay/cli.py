@@ -4,11 +4,12 @@ also be a trace file, such as ``strategies.watch.Watch.save`` writes from any tr
 
 NAME is any option of ``conf/strategy/`` (a rule or a preset, resolved through its YAML as the app
 does, with the run's precision) or a registered rule; ``--set`` overrides its options. Text output
-(default): the recorded run in one line, then per strategy the skipped steps, the scale's path, its
+(default): the recorded run in one line, the early warning on it (the first step the fitted detector,
+``docs/early-warning.md``, would have fired at, and why), then per strategy the skipped steps, the scale's path, its
 lowest point, its floor, the activation-gradient entries it would lose and how the trace's gaps are
 bridged. ``--json``: one object per step (``step``, ``scale``, ``skipped``, ``scales`` for per-layer
 rules, ``lost_frac``/``subnormal_frac`` at histogram steps). ``--strategy all``: every option, one
-line each. ``--overflow bound``: the other overflow model (:mod:`strategies.tracing.inputs`).
+line each. ``--overflow persist|bound``: the other overflow models (:mod:`strategies.tracing.inputs`).
 
 Exit status: 0; 2 with one line on stderr for a missing or corrupt trace, an unknown strategy or a
 bad ``--set``; 3 when the strategy reads what the trace does not record (said in one line).
@@ -27,8 +28,9 @@ from experiments.replay import presets
 from strategies.tracing import Trace, TraceError
 from strategies.tracing.inputs import OVERFLOW_MODELS, MissingInput
 from strategies.tracing.replay import ReplayResult, replay
+from strategies.watch.detector import Detector, observations
 
-__all__ = ["ReplayError", "load_trace", "main", "describe"]
+__all__ = ["ReplayError", "load_trace", "main", "describe", "warning_line"]
 
 
 class ReplayError(Exception):
@@ -64,6 +66,17 @@ def _recorded(trace: Trace) -> str:
     skipped = sum(trace.found_inf)
     return (f"recorded: {m.get('strategy', '?')}, {trace.format.name}, {m.get('workload', '?')}, seed {m.get('seed', '?')}: "
             f"{len(trace)} steps, {skipped} skipped, scale {_g(trace.scale[0][-1])} -> {_g(trace.scale[-1][-1])}")
+
+
+def warning_line(trace: Trace) -> str:
+    """The early warning (``strategies.watch.Detector``, the fitted one) on the recorded run: the
+    first step it would have fired at, and why."""
+    det = Detector()
+    for obs in observations(trace):
+        det.update(obs)
+        if det.alarm_step is not None:
+            return f"early warning: step {det.alarm_step} of {len(trace)}: {det.reason()}"
+    return f"early warning: none in {len(trace)} steps"
 
 
 def describe(name: str, result: ReplayResult) -> list[str]:
@@ -115,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         raise ReplayError("--json takes one strategy, not 'all'")
     if not args.json:
         print(_recorded(trace))
+        print(warning_line(trace))
     code = 0
     for name in names:
         try:

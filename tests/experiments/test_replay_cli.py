@@ -5,6 +5,7 @@ replays any rule or preset through the YAML, with one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from experiments.app.tracefile import TraceFile
 from experiments.replay import cli
 from experiments.workloads.precision import Precision
 from strategies.tracing import Trace, replay
+from strategies.watch.detector import Detector, observations
 from tests.experiments.runs import read_rows, run_tiny
 
 SPIKES = ["regime=spikes", "regime.spike_steps=[3,7]", "train.steps=12", "train.log_every=4", "train.hist_every=4",
@@ -67,6 +69,10 @@ def _main(capsys, *args: str) -> tuple[int, str, str]:
 def test_replay_text_json_and_all(run_dir: Path, capsys) -> None:
     code, out, _ = _main(capsys, str(run_dir), "--strategy", "native")
     assert code == 0 and "native: skips 2 of 12 steps: 3, 7" in out and "recorded: native, fp16" in out
+    det = Detector()
+    det.run(observations(cli.load_trace(run_dir)))  # the recorded run through the fitted detector
+    want = "early warning: none in 12 steps" if det.alarm_step is None else f"early warning: step {det.alarm_step} of 12: "
+    assert out.splitlines()[1].startswith(want)
     code, out, _ = _main(capsys, str(run_dir), "--strategy", "megatron", "--set", "init_scale=1024", "--json")
     steps = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and [s["step"] for s in steps] == list(range(1, 13)) and steps[0]["scale"] == 1024.0
@@ -111,3 +117,21 @@ def test_an_rl_run_is_traced_and_replays_as_itself(tmp_path: Path) -> None:
     replayed = replay(trace, "native")
     assert [s.scale for s in replayed.steps] == [row[0] for row in trace.scale]
     assert replayed.skipped_steps == [s for s, f in zip(trace.steps, trace.found_inf) if f]
+
+
+def test_the_early_warning_line_on_a_collapsing_run(tmp_path: Path, capsys) -> None:
+    """A trace that overflows at every step from step 5 on (the scale halving each time) gets the
+    fitted detector's warning, at the step the detector itself names."""
+    t = Trace(["a"], [10])
+    scale = 65536.0
+    for step in range(1, 41):
+        bad = step >= 5
+        t.add_row(step, [float(bad), 2.0, math.nan if bad else 1e-3, 1.0, 0.0, 0.0, 0.1, scale, math.inf if bad else 1e-3])
+        scale = scale / 2 if bad else scale
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(line + "\n" for line in t.lines()))
+    det = Detector()
+    det.run(observations(t))
+    assert det.alarm_step is not None and det.alarm_step > 5
+    code, out, _ = _main(capsys, str(path), "--strategy", "native")
+    assert code == 0 and out.splitlines()[1].startswith(f"early warning: step {det.alarm_step} of 40: ")
