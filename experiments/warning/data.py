@@ -10,8 +10,10 @@ twins (the same run with the fix: a tenth of the learning rate), per strategy an
 * ``fp8_lr_spike`` — the same in ``fp8_e5m2`` (bf16 forward, e5m2 activation gradients): the
   loss passes ``train.divergence_loss`` at ~step 60.
 
-The reinforcement-learning and fine-tuning workloads of the issue are not on ``main`` yet
-(``docs/early-warning.md`` says so); they join as two more entries of :data:`WORKLOADS`.
+The natural workloads (``finetune``, ``rl``: ``conf/workload/``) have no setting that fails by
+construction yet (``docs/early-warning.md`` says so); one would join as an entry of :data:`WORKLOADS`.
+The scaler alternates with the seed (:func:`strategy_for`: ``native`` on even seeds, ``max_ema`` on
+odd ones), so that each split holds both and the check stays ~10 min on one CPU thread.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from experiments.replay import runs
 from experiments.replay.cli import load_trace
 from strategies.tracing import Trace
 
-__all__ = ["FAILED", "Run", "SEEDS", "STRATEGIES", "TRAIN_SEEDS", "WORKLOADS", "collect"]
+__all__ = ["FAILED", "Run", "SEEDS", "STRATEGIES", "TRAIN_SEEDS", "WORKLOADS", "collect", "strategy_for"]
 
 COMMON = ["logger=none", "train.progress=false", "threads=1", "train.log_every=5", "train.hist_every=0",
           "train.fidelity_every=0", "train.checkpoint_every=0", "train.eval_every=0", "train.eval_batches=1"]
@@ -40,8 +42,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
 """workload -> (overrides shared by both twins, the failing twin's learning rate); the healthy
 twin runs at a tenth of it."""
 STRATEGIES = ("native", "max_ema")
-SEEDS = (0, 1, 2, 3, 4, 5)
-TRAIN_SEEDS = (0, 1, 2)
+SEEDS = (0, 1, 2, 3)
+TRAIN_SEEDS = (0, 1)
 FAILED = ("diverged", "stalled", "failed")
 
 
@@ -55,6 +57,8 @@ class Run:
     failing: bool
     status: str
     trace: Trace
+    trained: bool = False
+    """Trained by this command (else reused from an earlier one)."""
 
     @property
     def failed(self) -> bool:
@@ -70,15 +74,22 @@ def _lr(overrides: list[str], failing: bool) -> list[str]:
     return [lr if failing else f"optimizer.lr={float(lr.split('=')[1]) / 10:g}"]
 
 
+def strategy_for(seed: int) -> str:
+    """The scaler of the runs of ``seed`` (module docstring)."""
+    return STRATEGIES[seed % len(STRATEGIES)]
+
+
 def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS) -> list[Run]:
     """Train (or reuse) every labelled run and read its trace."""
     found = []
     for w in workloads:
         shared, lr = WORKLOADS[w]
-        for strategy in STRATEGIES:
-            for seed in seeds:
-                for failing in (True, False):
-                    d = out / w / ("failing" if failing else "healthy") / strategy / f"seed{seed}"
-                    summary = runs.train(d, [*COMMON, *shared, *_lr(lr, failing), f"strategy={strategy}", f"seed={seed}"])
-                    found.append(Run(w, strategy, seed, failing, summary["status"], load_trace(d)))
+        for seed in seeds:
+            strategy = strategy_for(seed)
+            for failing in (True, False):
+                d = out / w / ("failing" if failing else "healthy") / strategy / f"seed{seed}"
+                overrides = [*COMMON, *shared, *_lr(lr, failing), f"strategy={strategy}", f"seed={seed}"]
+                trained = runs.finished(d, overrides) is None
+                summary = runs.train(d, overrides)
+                found.append(Run(w, strategy, seed, failing, summary["status"], load_trace(d), trained))
     return found

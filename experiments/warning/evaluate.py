@@ -1,5 +1,6 @@
 """``make warning-eval``: fit the early warning on held-in runs, evaluate it on held-out ones, write
-the coefficients (``strategies/watch/fitted.py``) and ``docs/early-warning.md``.
+the coefficients (``strategies/watch/fitted.py``), ``docs/early-warning.md`` and the numbers behind it
+(``runs/warning_eval/results.json``).
 
 Horizon and lead: a failing run fails at its last step ``T`` (diverged or stalled); the horizon is
 ``T`` steps (the time it takes to fail), and a warning counts when it comes at or before
@@ -9,7 +10,8 @@ over the same prefix (their failing twin's ``0.8 T``; the whole run when the twi
 False alarms: healthy runs whose score reaches the threshold anywhere in the whole run.
 
 Fit: logistic regression (numpy, Newton's method, L2 penalty :data:`L2` on the standardised
-features, classes weighted equally) on per-step samples — a failing run's steps in ``(0.4 T, 0.8 T]``
+features, classes weighted equally, every feature's coefficient >= 0: each feature is a sign of
+risk, never of safety) on per-step samples — a failing run's steps in ``(0.4 T, 0.8 T]``
 are positives, a healthy run's steps negatives. Threshold: the lowest score at which at most 5% of
 the healthy *training* runs alarm. Splits: held-out seeds (fit on seeds 0-2 of every workload,
 evaluate seeds 3-5) and held-out workloads (for each workload, fit on the others' seeds 0-2,
@@ -19,6 +21,7 @@ evaluate its seeds 3-5).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -61,22 +64,47 @@ def _samples(runs: list[Run], feats: dict[int, np.ndarray]) -> tuple[np.ndarray,
     return np.concatenate(xs), np.concatenate(ys)
 
 
+def _newton(z: np.ndarray, y: np.ndarray, w: np.ndarray, penalty: np.ndarray, free: list[int]) -> np.ndarray:
+    """The weighted, penalised logistic fit over the columns ``free`` (the others held at 0)."""
+    beta = np.zeros(z.shape[1])
+    zf, pf = z[:, free], penalty[np.ix_(free, free)]
+    b = np.zeros(len(free))
+    for _ in range(100):
+        p = 1 / (1 + np.exp(-np.clip(zf @ b, -60, 60)))
+        step = np.linalg.solve((zf * (w * p * (1 - p))[:, None]).T @ zf + pf, zf.T @ (w * (p - y)) + pf @ b)
+        b -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    beta[free] = b
+    return beta
+
+
+def _nonnegative(z: np.ndarray, y: np.ndarray, w: np.ndarray, penalty: np.ndarray) -> np.ndarray:
+    """The fit with every feature's coefficient >= 0 (active set: a negative one is held at 0, a held
+    one whose gradient asks to grow is freed again, until the KKT conditions hold)."""
+    free = list(range(z.shape[1]))
+    for _ in range(4 * z.shape[1]):
+        beta = _newton(z, y, w, penalty, free)
+        negative = [j for j in free[1:] if beta[j] < 0]
+        if negative:
+            free.remove(min(negative, key=lambda j: beta[j]))
+            continue
+        p = 1 / (1 + np.exp(-np.clip(z @ beta, -60, 60)))
+        grad = z.T @ (w * (p - y))
+        grow = [j for j in range(1, z.shape[1]) if j not in free and grad[j] < -1e-9]
+        if not grow:
+            return beta
+        free = sorted(free + [min(grow, key=lambda j: grad[j])])
+    return beta
+
+
 def fit(runs: list[Run], feats: dict[int, np.ndarray]) -> dict[str, Any]:
     """The model (module docstring) fitted on ``runs``, its threshold included."""
     x, y = _samples(runs, feats)
     mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-9
     z = np.hstack([np.ones((len(x), 1)), (x - mu) / sd])
     w = np.where(y == 1, 0.5 / max(y.sum(), 1), 0.5 / max((1 - y).sum(), 1)) * len(y)
-    beta = np.zeros(z.shape[1])
-    penalty = np.diag([0.0] + [L2] * (z.shape[1] - 1))
-    for _ in range(50):
-        p = 1 / (1 + np.exp(-np.clip(z @ beta, -60, 60)))
-        grad = z.T @ (w * (p - y)) + penalty @ beta
-        hess = (z * (w * p * (1 - p))[:, None]).T @ z + penalty
-        step = np.linalg.solve(hess, grad)
-        beta -= step
-        if np.abs(step).max() < 1e-10:
-            break
+    beta = _nonnegative(z, y, w, np.diag([0.0] + [L2] * (z.shape[1] - 1)))
     model = {"features": list(FEATURES), "mean": mu.tolist(), "scale": sd.tolist(), "coef": beta[1:].tolist(),
              "intercept": float(beta[0]), "threshold": 0.5}
     healthy = sorted(max(_scores(r, model)) for r in runs if not r.failed)
@@ -143,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         held = fit([r for r in train if r.workload != w], feats)
         results["workloads"][w] = {**evaluate([r for r in test if r.workload == w], held), "threshold": held["threshold"]}
     results["minutes"] = (time.perf_counter() - t0) / 60
+    results["trained"] = sum(r.trained for r in runs)
+    write_text_atomic(args.out / "results.json", json.dumps(results, indent=1))
     write_text_atomic(args.fitted, page.fitted_module(model))
     write_text_atomic(args.page, page.page(results))
     s = results["seeds"]

@@ -1,6 +1,6 @@
 """``make warning-eval``'s statistics against scipy: the AUROC is the Mann-Whitney U over the
 pairs, the fit is the minimum of the class-weighted, L2-penalised logistic loss (module docstring of
-``experiments.warning.evaluate``), and the threshold lets at most 5% of the healthy runs alarm."""
+``experiments.warning.evaluate``; every feature's coefficient >= 0), and the threshold lets at most 5% of the healthy runs alarm."""
 
 from __future__ import annotations
 
@@ -48,10 +48,13 @@ def test_the_fit_minimises_the_weighted_penalised_logistic_loss() -> None:
         m = z @ b
         return float(np.sum(w * (np.logaddexp(0, m) - y * m)) + 0.5 * L2 * np.sum(b[1:] ** 2))
 
-    best = minimize(loss, np.zeros(z.shape[1]), method="BFGS", options={"gtol": 1e-9})
+    bounds = [(None, None)] + [(0, None)] * (z.shape[1] - 1)  # every feature a sign of risk: coefficient >= 0
+    best = minimize(loss, np.zeros(z.shape[1]), method="L-BFGS-B", bounds=bounds, options={"gtol": 1e-10, "ftol": 1e-14})
     ours = np.array([model["intercept"], *model["coef"]])
-    assert loss(ours) <= best.fun + 1e-6
+    assert min(model["coef"]) >= 0 and loss(ours) <= best.fun + 1e-6
     np.testing.assert_allclose(ours, best.x, atol=1e-3)
+    free = minimize(loss, np.zeros(z.shape[1]), method="BFGS").x
+    assert free[1:].min() < 0  # the case holds a feature the unconstrained fit would weigh as safety
     healthy = [max(_scores(r, model)) for r in runs if not r.failed]
     assert sum(s >= model["threshold"] for s in healthy) <= 0.05 * len(healthy)
     assert model["threshold"] == np.nextafter(max(healthy), 1.0)  # 6 healthy runs: none may alarm, the lowest such
