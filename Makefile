@@ -22,7 +22,7 @@ COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
 COURT_PAGE ?= docs/court.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress court report reproduce bench doctor-eval clean
+.PHONY: help setup test test-all compare compare-full stress court report reproduce bench doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -73,6 +73,12 @@ bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, 
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
+
+replay-check: setup ## Replay every strategy on other rules' traces vs real runs (2.5 min of CPU, 6 min on a loaded 2-core machine): docs/replay.md
+	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
+
+warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads (4.5-13.5 min wall, 180-212 s of CPU, on the shared 2-core machine): docs/early-warning.md
+	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.warning.evaluate
 
 clean: ## Remove runs, reports and caches (keeps .venv)
 	rm -rf runs reports outputs multirun .pytest_cache .hypothesis

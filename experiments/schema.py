@@ -9,6 +9,8 @@ A run directory holds::
     summary.json     SUMMARY_FIELDS, written atomically at start (status "running") and at the end
     metrics.jsonl    one JSON object per line: TRAIN_FIELDS (kind "train"), EVAL_FIELDS (kind "eval")
                      or FIDELITY_FIELDS (kind "fidelity", every train.fidelity_every steps)
+    trace.jsonl      the statistics trace: a TRACE_HEADER_FIELDS line, then TRACE_FIELDS chunks of
+                     TRACE_COLUMNS rows, one row per step (format: strategies/tracing/trace.py)
     diagnosis.json   DIAGNOSIS_FIELDS: the doctor's verdict on the failing step of a stalled, diverged
                      or scale-floor run (strategies.doctor; written by experiments.doctor.diagnosis)
     checkpoint.pt    model, optimizer, strategy, RNG, step, config (torch.load(weights_only=True))
@@ -41,6 +43,10 @@ __all__ = [
     "STATUSES",
     "SUMMARY_FIELDS",
     "SUMMARY_NAME",
+    "TRACE_COLUMNS",
+    "TRACE_FIELDS",
+    "TRACE_HEADER_FIELDS",
+    "TRACE_NAME",
     "TRAIN_FIELDS",
     "coerce",
     "coerce_row",
@@ -50,6 +56,7 @@ METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 CHECKPOINT_NAME = "checkpoint.pt"
 DIAGNOSIS_NAME = "diagnosis.json"
+TRACE_NAME = "trace.jsonl"
 LOCK_NAME = "run.lock"
 REPLACED_PREFIX = "replaced-"
 REPLACED_SUFFIX = ".old"
@@ -57,6 +64,8 @@ REPLACED_SUFFIX = ".old"
 KIND_TRAIN = "train"
 KIND_EVAL = "eval"
 KIND_FIDELITY = "fidelity"
+KIND_TRACE_HEADER = "trace_header"
+KIND_TRACE = "trace"
 
 STATUSES = ("running", "completed", "diverged", "failed", "stalled", "requeued")
 """``summary.json`` ``status`` values. ``running`` on disk after the process ended means the run was
@@ -138,6 +147,38 @@ FIDELITY_FIELDS = _fields(
     Field("layer_lost_frac", "float_map", "per layer: lost fraction"),
     Field("skipped", bool, "the step was skipped (non-finite gradients): no comparison", optional=True),
     Field("fidelity_probe_s", float, "wall time of this fidelity probe (not part of step or strategy time)"),
+)
+
+TRACE_HEADER_FIELDS = _fields(
+    Field("kind", str, '"trace_header"'),
+    Field("version", int, "the format's version (1)"),
+    Field("groups", "str_list", "the layer groups of the per-group abs-maxes (layerwise's default groups, tied weights merged)"),
+    Field("group_numel", "list", "parameter-gradient entries per layer group (ints)"),
+    Field("scale_groups", "str_list", 'the recording strategy\'s scale groups: one per layer group for per-layer strategies, else ["all"]'),
+    Field("format", "dict", "the activation-gradient format: name, max, smallest_normal, smallest_subnormal, saturates"),
+    Field("meta", "dict", "strategy, precision, workload, seed, steps, log_every, hist_every of the run"),
+)
+
+TRACE_FIELDS = _fields(
+    Field("kind", str, '"trace"'),
+    Field("step", int, "the step of the chunk's first row (rows are consecutive steps)"),
+    Field("n", int, "rows in the chunk"),
+    Field("width", int, "columns per row: TRACE_COLUMNS"),
+    Field("data", str, "the rows as little-endian float32, row-major, base64"),
+    Field("hist", "list", "[{step, lo, counts, zeros}]: the activation-gradient exponent histograms measured "
+          "in these steps (act_exp_hist's), at the step's scale", optional=True),
+)
+
+TRACE_COLUMNS = _fields(
+    Field("found_inf", float, "1.0 when the step's gradients were non-finite (skipped), else 0.0"),
+    Field("loss", float, "training loss (non-finite: the forward overflowed or the data held a NaN)"),
+    Field("grad_absmax", float, "abs-max of the unscaled parameter gradients (the statistics the rule read)"),
+    Field("grad_sumsq", float, "their sum of squares"),
+    Field("zero_frac", float, "fraction of parameter-gradient entries exactly zero, as they arrived"),
+    Field("subnormal_frac", float, "fraction nonzero and below 2^-14, as they arrived"),
+    Field("lr", float, "learning rate"),
+    Field("scale.<i>", float, "the scale the step ran at, one per scale group"),
+    Field("group_absmax.<i>", float, "abs-max of the unscaled parameter gradients of layer group i"),
 )
 
 SUMMARY_FIELDS = _fields(

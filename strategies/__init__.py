@@ -3,6 +3,7 @@
 >>> import strategies
 >>> scaler = strategies.create("native")        # exactly torch's GradScaler rule
 >>> strategies.available()                       # every registered strategy
+>>> strategies.replay(trace, "megatron")         # what a rule would have done on a recorded trace
 
 Every module of ``strategies/rules/`` is imported here, so a strategy added as one new file that uses
 ``@register_strategy`` is discovered with no other edit. Other installed packages can add
@@ -25,19 +26,23 @@ from strategies import rules
 from strategies.base import Strategy
 from strategies.registry import UnknownStrategyError, available, create, get, register_strategy
 from strategies.stats import GradStats, unscale_and_stats
+from strategies.tracing import Trace, TraceRecorder, replay
 
 __all__ = [
     "GradStats",
     "Strategy",
+    "Trace",
+    "TraceRecorder",
     "UnknownStrategyError",
     "available",
     "create",
     "get",
     "register_strategy",
+    "replay",
     "unscale_and_stats",
 ]
 
-_API_MODULES = ("base", "boundaries", "doctor", "params", "registry", "rules", "state", "stats", "validation")
+_API_MODULES = ("base", "boundaries", "doctor", "params", "registry", "rules", "state", "stats", "tracing", "validation")
 """The submodules :func:`__dir__` lists beside :data:`__all__` (``doctor`` once imported)."""
 
 

@@ -33,6 +33,8 @@ OPTIONAL = {
     "ninja": "a build tool, needed only when the kernels are compiled; its absence falls back to PATH",
     "torch.utils.cpp_extension": "imports setuptools (not a runtime dependency); needed only to build the "
                                  "kernels, whose absence falls back to plain torch",
+    "lightning.pytorch": "the early warning's Lightning callback (strategies/watch/lightning.py): only its users have Lightning",
+    "transformers": "the early warning's Hugging Face callback (strategies/watch/hf.py): only its users have transformers",
 }
 """Imported module -> why it is imported inside a function (an optional dependency)."""
 

@@ -123,6 +123,8 @@ class TrainConfig(Options):
                                 "a logged training loss above this (or non-finite) stops the run: diverged")
     fidelity_every: int = hp(0, v.whole(0), "scalelab", "every N steps compare the step's unscaled gradient with "
                              "the fp32 gradient (cosine, relative error, lost entries); 0 = off")
+    trace: bool = hp(True, v.flag, "scalelab", "write trace.jsonl: every step's statistics, flushed at the "
+                     "logging interval (docs/run-records.md; scalelab-replay reads it)")
     zero_grad: bool = hp(True, v.flag, "scalelab", "false: optimizer.zero_grad() does nothing (a loop bug on "
                          "purpose, experiments.app.build.keep_gradients; docs/doctor.md)")
     max_consecutive_skips: int = hp(100, v.whole(0), "scalelab", "this many skipped steps in a row (the scale "

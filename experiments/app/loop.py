@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from experiments import schema
 from experiments.app import checkpoint as ckpt
-from experiments.app import distributed as dist, fidelity, preemption, recipe, stops, telemetry
+from experiments.app import distributed as dist, fidelity, preemption, recipe, stops, telemetry, tracefile
 from experiments.app.build import AppError, ConfigError, one_line, build_data, build_model, build_optimizer, build_precision
 from experiments.app.build import build_strategy, run_labels
 from experiments.app.config import RunConfig
@@ -130,6 +130,7 @@ def _resume_and_train(cfg: DictConfig, run_cfg: RunConfig, rundir: RunDir, overr
         parts = _build(cfg, run_cfg, info, precision, plan.state, rundir.path)
         rec = Recorder(run_cfg, rundir, resolved, overrides, names, info.device, info.is_main, plan)
         rec.open(cfg.logger)
+        parts.trace = tracefile.start(rec, parts, run_cfg, names)
         return _train(run_cfg, parts, rec, names)
     finally:
         torch.use_deterministic_algorithms(prev_det)
@@ -240,6 +241,8 @@ def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
             hooks.reset()
         done = step_fn(parts, run_cfg, step, measure=log_now, probe=bool(fid_every) and step % fid_every == 0,
                        first=step == rec.start_step + 1)
+        if parts.trace is not None:  # the step's trace row (its loss before any regime multiplier), on the device
+            parts.trace.stepped(step, done.loss, parts.optimizer.param_groups[0]["lr"])
         if done.probed is not None:
             rec.fidelity(step, done.probed, fidelity.seconds(done.probed))
         rec.count(step, done.loss, done.skipped, done.step_time, done.strategy_time)

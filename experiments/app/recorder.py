@@ -86,6 +86,7 @@ class Recorder:
         self.losses = LossWindow(device, None if state is None else state["loss_window"])
         self.writer = records.MetricsWriter(None)
         self.loggers: list = []
+        self.trace: Any = None  # the run's TraceFile (experiments/app/tracefile.py), flushed with the records
 
     def open(self, logger_cfg: DictConfig) -> None:
         """Rank 0: set the directory up for this start or resume (as its :class:`ResumePlan` says),
@@ -145,6 +146,8 @@ class Recorder:
         row.update(lr=lr, step_time_s=step_time, strategy_time_s=strategy_time)
         row.update(extra or {})
         self.emit(row)
+        if self.trace is not None:
+            self.trace.flush(step, row.get("act_exp_hist"))
         return row
 
     def eval_line(self, step: int, ev: dict) -> None:
@@ -159,6 +162,8 @@ class Recorder:
         model_state, optim_state = dist.full_state(model, optimizer)
         if not self.main:
             return
+        if self.trace is not None:  # a resume from this step finds every row up to it
+            self.trace.flush(step)
         ckpt.save(
             self.rundir.path / schema.CHECKPOINT_NAME,
             {"step": step, "status": status, "config": records.redact(self.resolved),
@@ -186,3 +191,6 @@ class Recorder:
 
     def close(self) -> None:
         self.writer.close()
+        if self.trace is not None:
+            self.trace.flush(self.counters["steps"])
+            self.trace.close()

@@ -20,6 +20,9 @@ On a logging step the loop's own gradient statistics are read after ``unscale_``
 compared with the fp32 one at the same weights, batch and dropout (:mod:`experiments.app.fidelity`),
 before the regime's rescaling. :class:`StepTimer` keeps the step's wall time and the part of it
 spent inside the strategy; nothing in the step reads the device but GradScaler's own skip decision.
+With ``parts.trace`` (a :class:`strategies.tracing.TraceRecorder`), :func:`scaled_update` records the
+per-group abs-max after ``unscale_`` and the loop then leaves the step's row of the statistics trace
+on the device (read at the logging interval: ``experiments/app/tracefile.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class Parts:
     precision: Any
     layers: dict[int, str]
     reference: torch.nn.Module | None = None
+    trace: Any = None  # a strategies.tracing.TraceRecorder, fed every step (experiments/app/tracefile.py)
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,8 @@ def scaled_update(p: Parts, run: RunConfig, loss: torch.Tensor, timer: StepTimer
         scaled.backward()
         with timer:
             strategy.unscale_(optimizer)
+        if p.trace is not None:
+            p.trace.unscaled(p.params)
         grad_stats = telemetry.param_grad_stats(p.params) if measure else {}
         probed = None if probe is None else fidelity.probe(p.raw_model, probe[0], p.params, probe[1], p.layers)
         if divide != 1.0:

@@ -26,17 +26,26 @@ EXPERIMENTS = CONF_DIR.parent / "experiments"
         (schema.EVAL_FIELDS, '`kind: "eval"`', '`kind: "fidelity"`'),
         (schema.FIDELITY_FIELDS, '`kind: "fidelity"`', "## `summary.json`"),
         (schema.SUMMARY_FIELDS, "## `summary.json`", "## Other files"),
+        (schema.TRACE_HEADER_FIELDS, '`kind: "trace_header"`', '`kind: "trace"` —'),
+        (schema.TRACE_FIELDS, '`kind: "trace"` —', "Row columns"),
     ],
 )
 def test_documented_keys_are_the_schemas_fields(fields: dict, start: str, end: str) -> None:
     assert documented(start, end) == set(fields)
 
 
+def test_documented_trace_columns_are_the_schemas_in_order() -> None:
+    text = DOC.read_text()
+    para = text[text.index("Row columns"):text.index("Size:", text.index("Row columns"))]
+    named = [n for n in schema.TRACE_COLUMNS if "<" not in n]
+    assert [n for n in re.findall(r"`([a-z_]+)`", para) if n in named] == named
+
+
 def test_documented_statuses_and_file_names_are_the_schemas() -> None:
     text = DOC.read_text()
     status_row = next(line for line in text.splitlines() if line.startswith("| `status` |"))
     assert all(f"`{s}`" in status_row for s in schema.STATUSES)
-    for name in (schema.METRICS_NAME, schema.SUMMARY_NAME, schema.CHECKPOINT_NAME, schema.LOCK_NAME):
+    for name in (schema.METRICS_NAME, schema.SUMMARY_NAME, schema.CHECKPOINT_NAME, schema.LOCK_NAME, schema.TRACE_NAME):
         assert f"`{name}`" in text
 
 

@@ -1,0 +1,60 @@
+"""``make warning-eval``'s statistics against scipy: the AUROC is the Mann-Whitney U over the
+pairs, the fit is the minimum of the class-weighted, L2-penalised logistic loss (module docstring of
+``experiments.warning.evaluate``; every feature's coefficient >= 0), and the threshold lets at most 5% of the healthy runs alarm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize
+from scipy.stats import mannwhitneyu
+
+from experiments.warning.data import Run
+from experiments.warning.evaluate import L2, _samples, _scores, auroc, fit, step_features
+from strategies.tracing import FORMATS, Trace
+
+
+def test_auroc_is_mann_whitney_u() -> None:
+    rng = np.random.default_rng(0)
+    pos, neg = rng.integers(0, 6, 17).tolist(), rng.integers(0, 4, 23).tolist()  # ties on purpose
+    u = mannwhitneyu(pos, neg, alternative="two-sided").statistic
+    assert auroc(pos, neg) == pytest.approx(u / (len(pos) * len(neg)), abs=1e-12)
+    assert auroc([1.0], [0.0]) == 1.0 and auroc([0.0], [1.0]) == 0.0
+
+
+def run(seed: int, failing: bool, n: int = 60) -> Run:
+    """A traced run: healthy ones skip now and then, failing ones skip ever more often from n / 3."""
+    rng = np.random.default_rng(seed)
+    t, scale = Trace(["a"], [1], format=FORMATS["fp16"]), 2.0**16
+    for step in range(1, n + 1):
+        p = 0.05 + (0.9 * max(step - n / 3, 0) / n if failing else 0.0)
+        skip = bool(rng.random() < p)
+        loss = 2.0 + (0.05 * max(step - n / 3, 0) if failing else 0.0) + 0.1 * rng.random()
+        amax = float(rng.lognormal()) * (1.05 ** max(step - n / 3, 0) if failing else 1.0)
+        t.add_row(step, [float(skip), loss, np.nan if skip else amax, 1.0, 0.0, 0.0, 0.1, scale, amax])
+        scale = scale / 2 if skip else scale
+    return Run("w", "native", seed, failing, "diverged" if failing else "completed", t)
+
+
+def test_the_fit_minimises_the_weighted_penalised_logistic_loss() -> None:
+    runs = [run(k, f) for k in range(6) for f in (True, False)]
+    feats = {id(r): step_features(r) for r in runs}
+    model = fit(runs, feats)
+    x, y = _samples(runs, feats)
+    z = np.hstack([np.ones((len(x), 1)), (x - model["mean"]) / model["scale"]])
+    w = np.where(y == 1, 0.5 / y.sum(), 0.5 / (1 - y).sum()) * len(y)
+
+    def loss(b: np.ndarray) -> float:
+        m = z @ b
+        return float(np.sum(w * (np.logaddexp(0, m) - y * m)) + 0.5 * L2 * np.sum(b[1:] ** 2))
+
+    bounds = [(None, None)] + [(0, None)] * (z.shape[1] - 1)  # every feature a sign of risk: coefficient >= 0
+    best = minimize(loss, np.zeros(z.shape[1]), method="L-BFGS-B", bounds=bounds, options={"gtol": 1e-10, "ftol": 1e-14})
+    ours = np.array([model["intercept"], *model["coef"]])
+    assert min(model["coef"]) >= 0 and loss(ours) <= best.fun + 1e-6
+    np.testing.assert_allclose(ours, best.x, atol=1e-3)
+    free = minimize(loss, np.zeros(z.shape[1]), method="BFGS").x
+    assert free[1:].min() < 0  # the case holds a feature the unconstrained fit would weigh as safety
+    healthy = [max(_scores(r, model)) for r in runs if not r.failed]
+    assert sum(s >= model["threshold"] for s in healthy) <= 0.05 * len(healthy)
+    assert model["threshold"] == np.nextafter(max(healthy), 1.0)  # 6 healthy runs: none may alarm, the lowest such
