@@ -1,10 +1,10 @@
 """``scalelab-bench`` sections (c) and (d): what a training step costs around the scaler.
 
 (c) **Attach cost per step** — forward + scaled backward + unscale_/step/update of a fixed MLP
-(8 x 512-wide layers, batch 256), with the strategy attached (its layer-boundary transforms run,
-and it gathers what it needs per step: AdaLoss's weight statistics) and without; the difference is
-the hooks' cost per backward plus those statistics. Only the strategies whose ``attach`` installs
-hooks.
+(8 x 512-wide layers, batch 256) and of the character GPT (:data:`HOOK_MODELS`), with the
+strategy attached (its layer-boundary transforms run, and it gathers what it needs per step:
+AdaLoss's weight statistics) and without; the difference is the hooks' cost per backward plus
+those statistics. Only the strategies whose ``attach`` installs hooks.
 
 (d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
 ``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
@@ -16,46 +16,68 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 import strategies
+from experiments.workloads.models import GPT
 from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio
 
-__all__ = ["bench_hooks", "bench_fused", "format_hooks", "format_fused"]
+__all__ = ["HOOK_MODELS", "bench_hooks", "bench_fused", "format_hooks", "format_fused"]
 
-def bench_hooks(repeats: int) -> list[dict[str, Any]]:
-    """Two copies of one MLP, one with the strategy attached, timed round by round: a training
-    step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
-    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
+
+def _mlp() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The 8 x 512 MLP (batch 256, MSE): its 9 linear layers are its groups/boundaries."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
                                 torch.nn.Linear(512, 1))
     x, y = torch.randn(256, 512), torch.randn(256, 1)
+    return model, lambda m: F.mse_loss(m(x), y)
+
+
+def _gpt() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The character GPT of ``experiments.workloads.models`` (4 blocks of width 128, batch 16 x 64
+    tokens, next-token cross-entropy): boundaries ``embed``, ``blocks.0..3``, ``ln_f``, ``head``."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    idx = torch.randint(0, 256, (16, 65))
+    x, y = idx[:, :-1], idx[:, 1:]
+    return model, lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+
+HOOK_MODELS = {"mlp": _mlp, "gpt": _gpt}
+"""Section (c)'s models: name -> (model, its loss)."""
+
+
+def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[dict[str, Any]]:
+    """Per model, two copies, one with the strategy attached, timed round by round: a training
+    step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
+    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
     rows = []
-    for label, kw in HOOKED.items():
-        name = "layerwise" if label.startswith("layerwise") else label
-        attached_model = copy.deepcopy(model)
-        plain = strategies.create(name, **kw)
-        hooked = strategies.create(name, **kw).attach(attached_model)
+    for model_name in models:
+        model, loss_of = HOOK_MODELS[model_name]()
+        for label, kw in HOOKED.items():
+            name = "layerwise" if label.startswith("layerwise") else label
+            attached_model = copy.deepcopy(model)
+            plain = strategies.create(name, **kw)
+            hooked = strategies.create(name, **kw).attach(attached_model)
+            opts = {id(model): NoOpOptimizer(list(model.parameters())),
+                    id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
 
-        opts = {id(model): NoOpOptimizer(list(model.parameters())),
-                id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
+            def train_step(m: torch.nn.Module, s: Any) -> None:
+                m.zero_grad(set_to_none=True)
+                s.scale(loss_of(m)).backward()
+                s.step(opts[id(m)])
+                s.update()
 
-        def train_step(m: torch.nn.Module, s: Any) -> None:
-            m.zero_grad(set_to_none=True)
-            s.scale(F.mse_loss(m(x), y)).backward()
-            s.step(opts[id(m)])
-            s.update()
-
-        t = paired_ms({"plain": lambda: train_step(model, plain),
-                        "hooked": lambda: train_step(attached_model, hooked)}, repeats)
-        hooked.detach()
-        t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
-        rows.append({"strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
-                     "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"])})
+            t = paired_ms({"plain": lambda: train_step(model, plain),
+                           "hooked": lambda: train_step(attached_model, hooked)}, repeats)
+            hooked.detach()
+            t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
+            rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
+                         "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"])})
     return rows
 
 
@@ -86,12 +108,12 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
-    lines = ["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256):",
-             "    forward + scaled backward + unscale_/step (no-op)/update, median ms;",
-             "    ratio: median over rounds of attached / plain in the same round", "",
-             f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'extra':>10}{'ratio':>9}", "  " + "-" * 59]
-    lines += [f"  {r['strategy']:<20}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}{r['extra_ms']:>10.3f}"
-              f"{r['ratio']:>8.2f}x" for r in rows]
+    lines = ["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
+             "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
+             "    (no-op)/update, median ms; ratio: median over rounds of attached / plain in the same round", "",
+             f"  {'model':<6}{'strategy':<20}{'plain':>10}{'attached':>12}{'extra':>10}{'ratio':>9}", "  " + "-" * 65]
+    lines += [f"  {r.get('model', 'mlp'):<6}{r['strategy']:<20}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}"
+              f"{r['extra_ms']:>10.3f}{r['ratio']:>8.2f}x" for r in rows]
     return "\n".join(lines)
 
 

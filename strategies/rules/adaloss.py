@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from strategies.kernels import f32_of_double
 from strategies.layer_groups import overflow_origin
 from strategies.sharding import all_reduce_, local
+from strategies.stats import extremes
 
 __all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
 
@@ -52,12 +53,18 @@ def quantile(underflow_rate: float) -> float:
 
 
 def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, group: int, grad: torch.Tensor,
-            scale: torch.Tensor) -> None:
-    """Accumulate, for ``group``, the sum of squares, count and abs-max of ``grad / scale``."""
-    g = grad.detach().float() / scale
-    g2[group] += g.square().sum()
+            scale: torch.Tensor, ext: torch.Tensor | None = None) -> None:
+    """Accumulate, for ``group``, the sum of squares, count and abs-max of ``grad / scale``.
+
+    The scale is a power of two, so they are those of ``grad`` times ``1/scale^2`` and
+    ``1/scale`` (exact, but where an entry's square leaves float32's range): one ``dot`` over the
+    gradient and its :func:`strategies.stats.extremes` (``ext`` when the caller read them)."""
+    g = grad.detach().reshape(-1).float()
+    inv = scale.reciprocal()
+    ext = extremes(grad) if ext is None else ext
+    g2[group] += torch.dot(g, g) * (inv * inv)
     n[group] += g.numel()
-    gmax[group] = torch.maximum(gmax[group], g.abs().amax())
+    gmax[group].clamp_(min=(ext.abs().amax() * inv).float())
 
 
 class WeightStats:

@@ -82,7 +82,7 @@ from strategies.rules.max_ema import MaxEmaRule
 from strategies.sharding import refuse_flat_params
 from strategies.scaled_backwards import ScaledBackwards
 from strategies.state import State
-from strategies.stats import GradStats
+from strategies.stats import GradStats, extremes, nonfinite
 
 __all__ = ["LayerwiseParams", "LayerwiseStrategy", "RULES", "layerwise_update_"]
 
@@ -165,6 +165,8 @@ class LayerwiseStrategy(Strategy):
         self._boundaries: Boundaries | None = None
         self._scaled = ScaledBackwards()
         self._unscale_pending = False  # a create_graph backward crossed a boundary since unscale_grads
+        self._crossings: list[tuple[int, int, torch.Tensor]] = []  # (a, b, extremes) since the last flush
+        self._ratios: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (scale, key, S_a / S_b)
 
     # ------------------------------------------------------------------ groups
     @property
@@ -212,6 +214,7 @@ class LayerwiseStrategy(Strategy):
             self._handle = None
         self._boundaries = None
         self._unscale_pending = False
+        self._crossings = []
         if self.num_groups > 1 or self._param_group:
             self._links = GroupLinks(["all"], {})
             self._param_group, self._weights = {}, [[]]
@@ -249,9 +252,11 @@ class LayerwiseStrategy(Strategy):
             return None
         a, b, trace_links = links.ends(trace, i)
         s = self.state
-        if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
-            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
-        return None if a == b else self._convert(trace_links, a, b, grad)
+        adaloss_rule = self.params.rule == "adaloss"
+        ext = extremes(grad) if adaloss_rule or a != b else None  # one min/max read for both uses
+        if adaloss_rule:  # the gradient arriving at group a's output, unscaled
+            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b], ext)
+        return None if a == b else self._convert(trace_links, a, b, grad, ext)
 
     def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
         """Before a call of group b: an argument whose gradient must arrive at another group a's
@@ -262,16 +267,43 @@ class LayerwiseStrategy(Strategy):
         a, b, trace_links = found
         return fence(t, lambda g: self._convert(trace_links, a, b, g) if self._acting(links) else None)
 
-    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor) -> torch.Tensor:
+    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor,
+                 ext: torch.Tensor | None = None) -> torch.Tensor:
         """A gradient at group b's scale entering group a's side: x S_a / S_b; a non-finite one
-        marks a contaminated and b as having emitted it (overflow attribution)."""
-        s = self.state
-        bad = (~torch.isfinite(grad)).any().float()
-        s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
-        s.emitted[b] = torch.maximum(s.emitted[b], bad)
+        marks a contaminated and b as having emitted it (overflow attribution; ``ext``: its
+        :func:`strategies.stats.extremes` when already read)."""
+        self._crossings.append((a, b, extremes(grad) if ext is None else ext))
         if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates this backward
             self._unscale_pending = True
-        return group_links.rescale(trace_links, grad, s.scale[a] / s.scale[b])
+        return group_links.rescale(trace_links, grad, self._ratio(a, b))
+
+    def _ratio(self, a: int, b: int) -> torch.Tensor:
+        """``S_a / S_b``, from the ratios of every pair computed once per value of the scales
+        (one division per update instead of three ops per boundary crossing). The value is known
+        by the scale tensor, the update count (the update ops write it without bumping its
+        version) and its version (a Python write: ``load_state_dict``, ``update(new_scale)``)."""
+        scale = self.state.scale
+        key = (self.updates, scale._version)
+        if self._ratios is None or self._ratios[0] is not scale or self._ratios[1] != key:
+            self._ratios = (scale, key, scale[:, None] / scale[None, :])
+        return self._ratios[2][a, b]
+
+    def _flush_crossings(self) -> None:
+        """The overflow attribution of the crossings since the last flush, in one go: a non-finite
+        gradient crossing from group b into group a (:func:`strategies.stats.nonfinite` of its
+        extremes) marks a contaminated and b as having emitted it. Run when the gradients are
+        unscaled (before a cross-rank reduction of the marks) and at the update."""
+        if not self._crossings:
+            return
+        below, above, ext = zip(*self._crossings)
+        self._crossings = []
+        s = self.state
+        bad = nonfinite(torch.stack(ext))
+        s.contaminated.scatter_reduce_(0, torch.tensor(below, device=bad.device), bad, "amax")
+        s.emitted.scatter_reduce_(0, torch.tensor(above, device=bad.device), bad, "amax")
+
+    def on_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self._flush_crossings()
 
     # ------------------------------------------------------------------ gradient penalty
     def unscale_grads(self, grads: Sequence[torch.Tensor | None],
@@ -318,6 +350,7 @@ class LayerwiseStrategy(Strategy):
     # ------------------------------------------------------------------ the rule
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
+        self._flush_crossings()
         p, s = self.params, self.state
         lo, hi = p.pow2_bounds
         if p.rule == "adaloss":
