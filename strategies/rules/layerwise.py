@@ -166,6 +166,7 @@ class LayerwiseStrategy(Strategy):
         self._scaled = ScaledBackwards()
         self._unscale_pending = False  # a create_graph backward crossed a boundary since unscale_grads
         self._crossings: list[tuple[int, int, torch.Tensor]] = []  # (a, b, extremes) since the last flush
+        self._seen: list[Any] = []  # rule adaloss: (a, b, adaloss.observe(...)) since the last flush
         self._ratios: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (scale, key, S_a / S_b)
 
     # ------------------------------------------------------------------ groups
@@ -214,7 +215,7 @@ class LayerwiseStrategy(Strategy):
             self._handle = None
         self._boundaries = None
         self._unscale_pending = False
-        self._crossings = []
+        self._crossings, self._seen = [], []
         if self.num_groups > 1 or self._param_group:
             self._links = GroupLinks(["all"], {})
             self._param_group, self._weights = {}, [[]]
@@ -251,11 +252,10 @@ class LayerwiseStrategy(Strategy):
         if not self._acting(links):
             return None
         a, b, trace_links = links.ends(trace, i)
-        s = self.state
         adaloss_rule = self.params.rule == "adaloss"
         ext = extremes(grad) if adaloss_rule or a != b else None  # one min/max read for both uses
         if adaloss_rule:  # the gradient arriving at group a's output, unscaled
-            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b], ext)
+            self._seen.append((a, b, adaloss.observe(grad, ext)))
         return None if a == b else self._convert(trace_links, a, b, grad, ext)
 
     def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
@@ -293,11 +293,14 @@ class LayerwiseStrategy(Strategy):
         gradient crossing from group b into group a (:func:`strategies.stats.nonfinite` of its
         extremes) marks a contaminated and b as having emitted it. Run when the gradients are
         unscaled (before a cross-rank reduction of the marks) and at the update."""
+        s = self.state
+        if self._seen:  # rule adaloss: the gradients arriving at the groups' outputs
+            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, s.scale, self._seen)
+            self._seen = []
         if not self._crossings:
             return
         below, above, ext = zip(*self._crossings)
         self._crossings = []
-        s = self.state
         bad = nonfinite(torch.stack(ext))
         s.contaminated.scatter_reduce_(0, torch.tensor(below, device=bad.device), bad, "amax")
         s.emitted.scatter_reduce_(0, torch.tensor(above, device=bad.device), bad, "amax")
