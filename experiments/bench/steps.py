@@ -6,6 +6,9 @@ strategy attached (its layer-boundary transforms run, and it gathers what it nee
 AdaLoss's weight statistics) and without; the difference is the hooks' cost per backward plus
 those statistics. Only the strategies whose ``attach`` installs hooks.
 
+(e) **Statistics every k steps** — the attached rules with ``stats_every = k`` (1, 4, 16) against
+the plain step (:func:`bench_every`).
+
 (d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
 ``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
 optimizer unscales in its kernel; the strategy only reads the gradients for its statistics, as
@@ -25,7 +28,8 @@ import strategies
 from experiments.workloads.models import GPT
 from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio
 
-__all__ = ["HOOK_MODELS", "bench_hooks", "bench_fused", "format_hooks", "format_fused"]
+__all__ = ["EVERY", "HOOK_MODELS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
+           "format_hooks"]
 
 
 def _mlp() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
@@ -79,6 +83,50 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
                          "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"])})
     return rows
+
+
+EVERY = (1, 4, 16)
+"""Section (e)'s ``stats_every`` values."""
+
+
+def bench_every(repeats: int, every: tuple[int, ...] = EVERY, block: int = 16) -> list[dict[str, Any]]:
+    """(e) The attached rules on the MLP with ``stats_every = k``: per round, ``block`` training
+    steps (so each k's share of statistic steps, 1/k, is in every timing) of the plain copy and of
+    an attached copy per k, side by side; the ratio is attached(k) / plain in the same round."""
+    model, loss_of = _mlp()
+    rows = []
+    for label, kw in HOOKED.items():
+        name = "layerwise" if label.startswith("layerwise") else label
+        copies = {"plain": (model, strategies.create(name, **kw))}
+        for k in every:
+            m = copy.deepcopy(model)
+            copies[f"k={k}"] = (m, strategies.create(name, **kw, stats_every=k).attach(m))
+        opts = {key: NoOpOptimizer(list(m.parameters())) for key, (m, _) in copies.items()}
+
+        def steps(key: str) -> None:
+            m, s = copies[key]
+            for _ in range(block):
+                m.zero_grad(set_to_none=True)
+                s.scale(loss_of(m)).backward()
+                s.step(opts[key])
+                s.update()
+
+        t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats)
+        for key, (_, s) in copies.items():
+            s.detach()
+        rows += [{"strategy": label, "stats_every": k, "plain_ms": statistics.median(t["plain"]) / block,
+                  "attached_ms": statistics.median(t[f"k={k}"]) / block,
+                  "ratio": paired_ratio(t[f"k={k}"], t["plain"])} for k in every]
+    return rows
+
+
+def format_every(rows: list[dict[str, Any]]) -> str:
+    lines = ["(e) statistics every k steps (stats_every): the attached rules on the MLP, blocks of 16 training steps;",
+             "    median ms per step; ratio: median over rounds of attached(k) / plain in the same round", "",
+             f"  {'strategy':<20}{'k':>4}{'plain':>10}{'attached':>12}{'ratio':>9}", "  " + "-" * 55]
+    lines += [f"  {r['strategy']:<20}{r['stats_every']:>4}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}"
+              f"{r['ratio']:>8.2f}x" for r in rows]
+    return "\n".join(lines)
 
 
 def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],

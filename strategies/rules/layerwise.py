@@ -75,6 +75,7 @@ from strategies.boundaries import Boundaries, Trace
 from strategies.graph_walk import fence
 from strategies.group_links import GroupLinks
 from strategies.params import ScalerParams, hp
+from strategies.schedule import StatsSchedule, hold_update_, stats_step
 from strategies.registry import register_strategy
 from strategies.rules import adaloss
 from strategies.rules.layerwise_update import RULES, layerwise_update_
@@ -92,7 +93,7 @@ def _is_pow2(x: float) -> bool:
 
 
 @dataclass
-class LayerwiseParams(MaxEmaRule, ScalerParams):
+class LayerwiseParams(MaxEmaRule, StatsSchedule, ScalerParams):
     init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1",
                            "every group's initial scale, a power of two")
     growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
@@ -254,7 +255,7 @@ class LayerwiseStrategy(Strategy):
         a, b, trace_links = links.ends(trace, i)
         adaloss_rule = self.params.rule == "adaloss"
         ext = extremes(grad) if adaloss_rule or a != b else None  # one min/max read for both uses
-        if adaloss_rule:  # the gradient arriving at group a's output, unscaled
+        if adaloss_rule and stats_step(self):  # the gradient arriving at group a's output, unscaled
             self._seen.append((a, b, adaloss.observe(grad, ext)))
         return None if a == b else self._convert(trace_links, a, b, grad, ext)
 
@@ -351,6 +352,22 @@ class LayerwiseStrategy(Strategy):
         return index
 
     # ------------------------------------------------------------------ the rule
+    def hold_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        """Between statistic steps (``stats_every``, :mod:`strategies.schedule`): on an overflow
+        the groups it is blamed on back off (every group's growth tracker restarts), else nothing
+        changes. No host sync."""
+        assert stats is not None  # the grouped pass runs every step
+        self._flush_crossings()
+        s = self.state
+        origin = layer_groups.overflow_origin(found_inf, stats.found_inf, s.emitted, s.contaminated)
+        blamed = torch.where(origin, s.scale, torch.zeros_like(s.scale))
+        hold_update_(blamed, s.growth_tracker, found_inf, self.params.backoff_factor)
+        s.scale.copy_(torch.where(origin, blamed, s.scale))
+        s.overflow_origin.copy_(origin)
+        self._unscale_pending = False
+        s.contaminated.zero_()
+        s.emitted.zero_()
+
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
         self._flush_crossings()

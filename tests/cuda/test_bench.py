@@ -36,6 +36,9 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
     assert [(r["model"], r["strategy"]) for r in data["hooks"]] == [
         (m, k) for m in bench_steps.HOOK_MODELS for k in bench_common.HOOKED]  # the MLP and the GPT
     assert all(r["ratio"] > 0 and r["plain_ms"] > 0 and r["attached_ms"] > 0 for r in data["hooks"])
+    assert [(r["strategy"], r["stats_every"]) for r in data["stats_every"]] == [
+        (k, e) for k in bench_common.HOOKED for e in bench_steps.EVERY]
+    assert "(e) statistics every k steps" in table
 
 
 @pytest.mark.parametrize("text,value", [("50M", 50_000_000), ("250K", 250_000), ("1000", 1000), ("1.5M", 1_500_000)])
