@@ -35,7 +35,7 @@ from strategies.state import RuleState, ScaleFloorError, State, base_state, rais
 from strategies.agreement import check_ranks_agree
 from strategies.gather import gather
 from strategies.sharding import distributed_mode
-from strategies.schedule import reads_stats, run_rule
+from strategies.schedule import pass_options, run_rule
 from strategies.stats import GradStats
 
 __all__ = ["Strategy"]
@@ -267,7 +267,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         if mode is not None and not self._ranks_agree:
             self._ranks_agree = check_ranks_agree(self)
         found, stats = gather(optimizer, state.scale, unscale=unscale, mode=mode, who=self.name,
-                              with_stats=reads_stats(self),
+                              **pass_options(self),
                               group_index=self.group_index if self.per_group else None, num_groups=self.num_groups,
                               allow_fp16=self.params.distributed == "sharded")
         self._per_optimizer_states[id(optimizer)].update(found_inf_per_device=found, stats=stats)

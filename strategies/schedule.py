@@ -1,5 +1,13 @@
-"""Statistics every k steps (seed 003 §4.2: "update every N steps instead of every step"): the
-``stats_every`` option of every rule that reads gradient statistics.
+"""Statistics every k steps (seed 003 §4.2: "update every N steps instead of every step") and of
+a share of the layers (§4.1: "sample the statistics of key layers"): the ``stats_every`` and
+``stats_layers`` options of every rule that reads gradient statistics.
+
+``stats_layers = q`` (0 < q <= 1) reads the statistics of :func:`sampled` ``q`` of the gradient
+tensors (in the optimizer's order; attached rules: of the layer boundaries), evenly spread from
+the first; the others are unscaled and checked for Inf/NaN by torch's found-inf pass, so an
+overflow anywhere still skips the step. The rule then sees the abs-max, norm and counts of the
+sample. Per-group rules (``layerwise``) need every group's statistics and refuse ``q < 1``;
+sharded gradients (FSDP, ``distributed`` modes other than replicated) are read whole.
 
 With ``stats_every = k`` a rule reads its statistics on **statistic steps** only — the updates
 numbered ``0, k, 2k, ...`` (:attr:`strategies.base.Strategy.updates` before the update) — and
@@ -31,7 +39,22 @@ import torch
 from strategies import validation as v
 from strategies.params import hp
 
-__all__ = ["StatsSchedule", "hold_update_", "reads_stats", "run_rule", "stats_step"]
+__all__ = ["StatsSchedule", "hold_update_", "pass_options", "reads_stats", "run_rule", "sampled", "stats_step"]
+
+
+def _share(field: str, value: Any) -> float:
+    """A share in (0, 1]."""
+    x = v.finite_positive(field, value)
+    if x > 1.0:
+        v.fail(field, "in (0, 1]", value)
+    return x
+
+
+def sampled(n: int, share: float) -> list[int]:
+    """``max(1, round(n * share))`` of the indices ``0 .. n-1``, evenly spread from index 0 (the
+    input side of a model's layers, where gradients underflow first); all of them at share 1."""
+    k = min(n, max(1, round(n * share)))
+    return sorted({(i * n) // k for i in range(k)})
 
 
 @dataclass
@@ -40,11 +63,19 @@ class StatsSchedule:
 
     stats_every: int = hp(1, v.integer(1), "seed 003 §4.2",
                           "read the statistics every k-th update, hold in between (overflow is checked every step)")
+    stats_layers: float = hp(1.0, _share, "seed 003 §4.1",
+                             "share of the gradient tensors (attached: of the layer boundaries) whose statistics are read")
 
 
 def stats_step(strategy: Any) -> bool:
     """Is the coming update a statistic step (``updates % stats_every == 0``)? Host-side."""
     return strategy.updates % getattr(strategy.params, "stats_every", 1) == 0
+
+
+def pass_options(strategy: Any) -> dict[str, Any]:
+    """The statistics options of this step's pass over the gradients (:func:`strategies.gather.gather`):
+    ``with_stats`` (:func:`reads_stats`) and ``sample``, the ``stats_layers`` share."""
+    return {"with_stats": reads_stats(strategy), "sample": getattr(strategy.params, "stats_layers", 1.0)}
 
 
 def reads_stats(strategy: Any) -> bool:

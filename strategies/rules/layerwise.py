@@ -108,6 +108,9 @@ class LayerwiseParams(MaxEmaRule, StatsSchedule, ScalerParams):
 
     def check(self) -> None:
         super().check()
+        if self.stats_layers != 1.0:
+            v.fail("stats_layers", "1.0 for layerwise (each group's scale needs its own group's statistics)",
+                   self.stats_layers)
         if self.growth_interval is None:
             self.growth_interval = 2000 if self.rule == "backoff_growth" else 1
         if not _is_pow2(self.init_scale):  # refused, not rounded: the record would name a scale never used

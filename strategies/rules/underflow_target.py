@@ -23,7 +23,8 @@ A non-finite step is skipped and S × backoff_factor (the histogram is discarded
 observed activation gradients are all zero is read as total underflow: S × growth_factor. Not
 attached (nothing observed): S is kept, with one warning — the measured counterpart of AdaLoss's
 Gaussian estimate needs the layers. ``stats_every = k``: histograms only in the backwards of
-statistic steps, S held in between (:mod:`strategies.schedule`). Cost: one exponent histogram (a read of every activation
+statistic steps, S held in between; ``stats_layers = q``: histograms at a share q of the
+boundaries (:mod:`strategies.schedule`). Cost: one exponent histogram (a read of every activation
 gradient, ``frexp`` + ``bincount``) per boundary per backward, on the device, no host sync.
 """
 
@@ -42,7 +43,7 @@ from strategies.boundaries import Boundaries
 from strategies.formats import FP16_MIN_NORMAL
 from strategies.model_layers import layers
 from strategies.params import ScalerParams, hp
-from strategies.schedule import StatsSchedule, stats_step
+from strategies.schedule import StatsSchedule, sampled, stats_step
 from strategies.registry import register_strategy
 from strategies.scaled_backwards import ScaledBackwards
 from strategies.sharding import refuse_flat_params
@@ -118,7 +119,9 @@ class UnderflowTargetStrategy(Strategy):
         ``ValueError`` while the model carries another strategy's hooks (``detach()`` that one)."""
         self.detach()
         refuse_flat_params(model, self.name)
-        modules = [model.get_submodule(name) for name in layers(model)] or [model]
+        names = layers(model)  # stats_layers: an evenly spread share of them, from the input side
+        picked = sampled(len(names), self.params.stats_layers) if names else []
+        modules = [model.get_submodule(names[j]) for j in picked] or [model]
         self._boundaries = Boundaries.of(model)
         self._handle = self._boundaries.register("observe", modules, on_grad=self._observe, owner=self)
         return self

@@ -15,7 +15,7 @@ from scipy.special import erfinv
 
 import strategies
 from strategies.rules.adaloss import adaloss_update_
-from tests.helpers import mlp
+from tests.helpers import linear_output_grads, mlp
 
 
 def reference_scales(g_sigma2, g_max, w_sigma2, w_max, fan, n_uf=1e-3, u_min=6.0e-8, u_max=65504.0,
@@ -137,15 +137,7 @@ def test_recorded_gradient_statistics_are_those_of_each_groups_output_gradient()
     its output (a plain backward, hooks on a copy), for groups at different scales."""
     model = mlp(seed=2, width=16, depth=4)
     ref = copy.deepcopy(model)
-    grads: dict[int, torch.Tensor] = {}
-
-    def keep(k: int):
-        def hook(mod, args, out) -> None:
-            out.register_hook(lambda g: grads.__setitem__(k, g))
-        return hook
-
-    for k, m in enumerate(m for m in ref if isinstance(m, torch.nn.Linear)):
-        m.register_forward_hook(keep(k))
+    grads = linear_output_grads(ref)
     x, y = torch.randn(32, 8), torch.randn(32, 4)
     F.mse_loss(ref(x), y).backward()
     s = strategies.create("layerwise", rule="adaloss", init_scale=1.0).attach(model)

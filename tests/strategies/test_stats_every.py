@@ -4,6 +4,7 @@ alone, while an Inf on any step is still skipped and backs the scale off."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 
 import strategies
 import strategies.gather as gather_module
-from tests.helpers import mlp
+from strategies.schedule import sampled
+from tests.helpers import linear_output_grads, mlp
 
 RULES = ["max_ema", "amax_history", "learned", "hybrid", "layerwise"]
 
@@ -43,7 +45,7 @@ def test_stats_every_one_is_the_rule_bit_for_bit(name) -> None:
     grads[5] = grads[5].clone()
     grads[5][3] = math.inf
     want, _ = run(strategies.create(name), grads)
-    got, _ = run(strategies.create(name, stats_every=1), grads)
+    got, _ = run(strategies.create(name, stats_every=1, stats_layers=1.0), grads)
     assert got == want
 
 
@@ -121,3 +123,62 @@ def test_underflow_target_observes_only_in_statistic_steps() -> None:
 def test_stats_every_is_validated() -> None:
     with pytest.raises(ValueError, match="stats_every must be an integer >= 1, got 0"):
         strategies.create("max_ema", stats_every=0)
+
+
+# ------------------------------------------------------------------ stats_layers
+def test_sampled_indices_are_an_evenly_spread_share_from_the_first() -> None:
+    assert sampled(8, 1.0) == list(range(8))
+    assert sampled(8, 0.5) == [0, 2, 4, 6]
+    assert sampled(8, 0.25) == [0, 4]
+    assert sampled(3, 0.01) == [0]  # at least one
+
+
+def test_stats_layers_reads_the_sampled_tensors_and_checks_all() -> None:
+    """Statistics (abs-max, sum of squares, count) of the sampled half of eight gradients, equal
+    to a plain computation over those; an Inf in an unsampled one still skips the step."""
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.zeros(32)) for _ in range(8)]
+    grads = [torch.randn(32, generator=gen) * 2.0 ** j for j in range(8)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    s = strategies.create("max_ema", stats_layers=0.5)
+    s.scale(torch.ones(()))
+    scale = s.get_scale()
+    for p, g in zip(params, grads):
+        p.grad = g * scale
+    s.step(opt)
+    s.update()
+    t = s.telemetry()
+    picked = [grads[j] for j in sampled(8, 0.5)]
+    assert t["grad_absmax"].item() == max(g.abs().max().item() for g in picked)
+    assert t["grad_norm"].item() == pytest.approx(math.sqrt(sum(float(g.double().square().sum()) for g in picked)),
+                                                  rel=1e-6)
+    before = [p.detach().clone() for p in params]
+    s.scale(torch.ones(()))
+    for j, p in enumerate(params):
+        p.grad = grads[j] * s.get_scale()
+    params[7].grad[3] = math.inf  # tensor 7 is not sampled
+    s.step(opt)
+    s.update()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert int(s.state.skipped_steps) == 1
+
+
+def test_underflow_target_observes_the_sampled_boundaries() -> None:
+    """With stats_layers 0.5 the histogram counts the nonzero output gradients of layers 0 and 2
+    of four (a plain backward with hooks on a copy gives them)."""
+    model = mlp(seed=4, width=8, depth=4)
+    ref = copy.deepcopy(model)
+    grads = linear_output_grads(ref)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    F.mse_loss(ref(x), y).backward()
+    s = strategies.create("underflow_target", stats_layers=0.5).attach(model)
+    s.scale(F.mse_loss(model(x), y)).backward()
+    want = sum(int((grads[k] != 0).sum()) for k in sampled(4, 0.5))
+    assert sampled(4, 0.5) == [0, 2] and int(s.state.exp_hist.sum()) == want
+
+
+def test_stats_layers_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"stats_layers must be in \(0, 1\], got 1.5"):
+        strategies.create("max_ema", stats_layers=1.5)
+    with pytest.raises(ValueError, match="stats_layers must be 1.0 for layerwise"):
+        strategies.create("layerwise", stats_layers=0.5)
