@@ -6,8 +6,9 @@ strategy attached (its layer-boundary transforms run, and it gathers what it nee
 AdaLoss's weight statistics) and without; the difference is the hooks' cost per backward plus
 those statistics. Only the strategies whose ``attach`` installs hooks.
 
-(e) **Statistics every k steps** — the attached rules with ``stats_every = k`` (1, 4, 16) against
-the plain step (:func:`bench_every`).
+(e) **Statistics every k steps, of a share of the layers** — the attached rules with
+``stats_every = k`` (1, 4, 16) and ``stats_layers = q`` (0.5, 0.25) against the plain step
+(:func:`bench_every`).
 
 (d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
 ``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
@@ -85,22 +86,24 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[
     return rows
 
 
-EVERY = (1, 4, 16)
-"""Section (e)'s ``stats_every`` values."""
+EVERY = ((1, 1.0), (4, 1.0), (16, 1.0), (1, 0.5), (1, 0.25))
+"""Section (e)'s ``(stats_every, stats_layers)`` settings (``layerwise`` takes only ``stats_layers = 1``)."""
 
 
-def bench_every(repeats: int, every: tuple[int, ...] = EVERY, block: int = 16) -> list[dict[str, Any]]:
-    """(e) The attached rules on the MLP with ``stats_every = k``: per round, ``block`` training
-    steps (so each k's share of statistic steps, 1/k, is in every timing) of the plain copy and of
-    an attached copy per k, side by side; the ratio is attached(k) / plain in the same round."""
+def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, block: int = 16) -> list[dict[str, Any]]:
+    """(e) The attached rules on the MLP with ``stats_every = k`` and ``stats_layers = q``: per
+    round, ``block`` training steps (so each k's share of statistic steps, 1/k, is in every timing)
+    of the plain copy and of an attached copy per setting, side by side; the ratio is
+    attached(k, q) / plain in the same round."""
     model, loss_of = _mlp()
     rows = []
     for label, kw in HOOKED.items():
         name = "layerwise" if label.startswith("layerwise") else label
+        settings = [(k, q) for k, q in every if q == 1.0 or name != "layerwise"]
         copies = {"plain": (model, strategies.create(name, **kw))}
-        for k in every:
+        for k, q in settings:
             m = copy.deepcopy(model)
-            copies[f"k={k}"] = (m, strategies.create(name, **kw, stats_every=k).attach(m))
+            copies[f"{k},{q}"] = (m, strategies.create(name, **kw, stats_every=k, stats_layers=q).attach(m))
         opts = {key: NoOpOptimizer(list(m.parameters())) for key, (m, _) in copies.items()}
 
         def steps(key: str) -> None:
@@ -114,18 +117,20 @@ def bench_every(repeats: int, every: tuple[int, ...] = EVERY, block: int = 16) -
         t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats)
         for key, (_, s) in copies.items():
             s.detach()
-        rows += [{"strategy": label, "stats_every": k, "plain_ms": statistics.median(t["plain"]) / block,
-                  "attached_ms": statistics.median(t[f"k={k}"]) / block,
-                  "ratio": paired_ratio(t[f"k={k}"], t["plain"])} for k in every]
+        rows += [{"strategy": label, "stats_every": k, "stats_layers": q,
+                  "plain_ms": statistics.median(t["plain"]) / block,
+                  "attached_ms": statistics.median(t[f"{k},{q}"]) / block,
+                  "ratio": paired_ratio(t[f"{k},{q}"], t["plain"])} for k, q in settings]
     return rows
 
 
 def format_every(rows: list[dict[str, Any]]) -> str:
-    lines = ["(e) statistics every k steps (stats_every): the attached rules on the MLP, blocks of 16 training steps;",
-             "    median ms per step; ratio: median over rounds of attached(k) / plain in the same round", "",
-             f"  {'strategy':<20}{'k':>4}{'plain':>10}{'attached':>12}{'ratio':>9}", "  " + "-" * 55]
-    lines += [f"  {r['strategy']:<20}{r['stats_every']:>4}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}"
-              f"{r['ratio']:>8.2f}x" for r in rows]
+    lines = ["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
+             "    rules on the MLP, blocks of 16 training steps; median ms per step; ratio: median over rounds of",
+             "    attached(k, q) / plain in the same round", "",
+             f"  {'strategy':<20}{'k':>4}{'q':>6}{'plain':>10}{'attached':>12}{'ratio':>9}", "  " + "-" * 61]
+    lines += [f"  {r['strategy']:<20}{r['stats_every']:>4}{r['stats_layers']:>6.2f}{r['plain_ms']:>10.3f}"
+              f"{r['attached_ms']:>12.3f}{r['ratio']:>8.2f}x" for r in rows]
     return "\n".join(lines)
 
 

@@ -36,8 +36,9 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
     assert [(r["model"], r["strategy"]) for r in data["hooks"]] == [
         (m, k) for m in bench_steps.HOOK_MODELS for k in bench_common.HOOKED]  # the MLP and the GPT
     assert all(r["ratio"] > 0 and r["plain_ms"] > 0 and r["attached_ms"] > 0 for r in data["hooks"])
-    assert [(r["strategy"], r["stats_every"]) for r in data["stats_every"]] == [
-        (k, e) for k in bench_common.HOOKED for e in bench_steps.EVERY]
+    assert [(r["strategy"], r["stats_every"], r["stats_layers"]) for r in data["stats_every"]] == [
+        (name, k, q) for name in bench_common.HOOKED for k, q in bench_steps.EVERY
+        if q == 1.0 or not name.startswith("layerwise")]  # layerwise reads every group
     assert "(e) statistics every k steps" in table
 
 
