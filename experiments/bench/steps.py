@@ -124,14 +124,24 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
     return rows
 
 
+def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
+    """``head`` lines, then one column per ``(header, key, width, format)`` (format ``"s"``: left
+    aligned text; ``"x"``: a ratio), one line per row."""
+    def cell(r: dict[str, Any], key: str, w: int, f: str) -> str:
+        return f"{r[key]:<{w}}" if f == "s" else f"{r[key]:>{w - 1}.2f}x" if f == "x" else f"{r[key]:>{w}{f}}"
+
+    header = "".join(f"{h:<{w}}" if f == "s" else f"{h:>{w}}" for h, _, w, f in cols)
+    lines = [*head, "", "  " + header, "  " + "-" * len(header)]
+    return "\n".join(lines + ["  " + "".join(cell(r, k, w, f) for _, k, w, f in cols) for r in rows])
+
+
 def format_every(rows: list[dict[str, Any]]) -> str:
-    lines = ["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
-             "    rules on the MLP, blocks of 16 training steps; median ms per step; ratio: median over rounds of",
-             "    attached(k, q) / plain in the same round", "",
-             f"  {'strategy':<20}{'k':>4}{'q':>6}{'plain':>10}{'attached':>12}{'ratio':>9}", "  " + "-" * 61]
-    lines += [f"  {r['strategy']:<20}{r['stats_every']:>4}{r['stats_layers']:>6.2f}{r['plain_ms']:>10.3f}"
-              f"{r['attached_ms']:>12.3f}{r['ratio']:>8.2f}x" for r in rows]
-    return "\n".join(lines)
+    return _table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
+                   "    rules on the MLP, blocks of 16 training steps; median ms per step; ratio: median over rounds of",
+                   "    attached(k, q) / plain in the same round"],
+                  [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
+                   ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, "x")],
+                  rows)
 
 
 def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],
@@ -161,13 +171,12 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
-    lines = ["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
-             "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
-             "    (no-op)/update, median ms; ratio: median over rounds of attached / plain in the same round", "",
-             f"  {'model':<6}{'strategy':<20}{'plain':>10}{'attached':>12}{'extra':>10}{'ratio':>9}", "  " + "-" * 65]
-    lines += [f"  {r.get('model', 'mlp'):<6}{r['strategy']:<20}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}"
-              f"{r['extra_ms']:>10.3f}{r['ratio']:>8.2f}x" for r in rows]
-    return "\n".join(lines)
+    return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
+                   "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
+                   "    (no-op)/update, median ms; ratio: median over rounds of attached / plain in the same round"],
+                  [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
+                   ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, "x")],
+                  rows)
 
 
 def format_fused(rows: list[dict[str, Any]], size: str) -> str:
