@@ -35,6 +35,7 @@ from strategies.state import RuleState, ScaleFloorError, State, base_state, rais
 from strategies.agreement import check_ranks_agree
 from strategies.gather import gather
 from strategies.sharding import distributed_mode
+from strategies.schedule import pass_options, run_rule
 from strategies.stats import GradStats
 
 __all__ = ["Strategy"]
@@ -154,8 +155,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     def hook_seconds(self) -> float:
         """Host seconds the layer-boundary hooks of an attached strategy have run so far (0.0 for
         the others): their cost per backward, which :meth:`scale` to :meth:`update` do not see."""
-        handle = getattr(self, "_handle", None)
-        return 0.0 if handle is None else handle.seconds
+        return 0.0 if getattr(self, "_handle", None) is None else self._handle.seconds
 
     def group_index(self, params: list[torch.Tensor]) -> list[int] | None:
         return None
@@ -267,7 +267,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         if mode is not None and not self._ranks_agree:
             self._ranks_agree = check_ranks_agree(self)
         found, stats = gather(optimizer, state.scale, unscale=unscale, mode=mode, who=self.name,
-                              with_stats=self.needs_stats or self.params.track_stats,
+                              **pass_options(self),
                               group_index=self.group_index if self.per_group else None, num_groups=self.num_groups,
                               allow_fp16=self.params.distributed == "sharded")
         self._per_optimizer_states[id(optimizer)].update(found_inf_per_device=found, stats=stats)
@@ -379,7 +379,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
                     stats = st["stats"] if stats is None else stats.combine(st["stats"])
             if self._distributed_mode() is not None:  # rank-local observations the rule declared with reduce=...
                 state.all_reduce_()
-            self.update_(found_inf, stats)
+            run_rule(self, found_inf, stats)  # update_, or hold_ between statistic steps (stats_every)
             self.run_update("record_step_", record_step_, found_state=state.found_inf, found_inf=found_inf)
             if stats is not None:
                 self._last_stats = stats

@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_map
 
-from strategies.graph_walk import mark, reached, tensors_in
+from strategies.graph_walk import flat, mark, reached, tensors_in
 
 __all__ = ["STAGES", "Boundaries", "Trace"]
 
@@ -301,7 +301,12 @@ class Boundaries:
                         t, changed = new, True
             return t
 
-        new_args, new_kwargs = tree_map(swap, (args, kwargs)) if users else (args, kwargs)
+        if not users:
+            new_args, new_kwargs = args, kwargs
+        elif not kwargs and flat(args):  # the common call: positional tensors, no pytree
+            new_args, new_kwargs = tuple(swap(t) for t in args), kwargs
+        else:
+            new_args, new_kwargs = tree_map(swap, (args, kwargs))
         return (new_args, new_kwargs) if changed else None
 
     def _on_output(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -312,7 +317,7 @@ class Boundaries:
             del trace.open[len(trace.open) - 1 - trace.open[::-1].index(module)]
         i = len(trace.calls)
         trace.calls.append(module)
-        inputs = tensors_in((args, kwargs))
+        inputs = tensors_in(args if not kwargs else (args, kwargs))
         reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
         users = self._outer(self._users, module, trace)
         for u in users:
@@ -337,4 +342,4 @@ class Boundaries:
                 out.register_hook(hook)
             return out
 
-        return tree_map(wrap, output)
+        return wrap(output) if isinstance(output, torch.Tensor) else tree_map(wrap, output)

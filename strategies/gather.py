@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from strategies.sharding import all_reduce_parts, layout, local, max_over_ranks_
+from strategies.schedule import sampled
 from strategies.stats import GradStats, unscale_and_check, unscale_and_stats
 
 __all__ = ["gather", "grads_by_device"]
@@ -64,6 +65,7 @@ def gather(
     mode: str | None = None,
     allow_fp16: bool = False,
     who: str = "scalelab",
+    sample: float = 1.0,
 ) -> tuple[dict[torch.device, torch.Tensor], GradStats | None]:
     """One pass over ``optimizer``'s gradients, per device: unscale them in place by ``1/scale``
     (shape ``[]`` or ``[num_groups]``; ``group_index(params)`` gives each one's group) and return
@@ -72,7 +74,9 @@ def gather(
     ``unscale=False`` only reads them (a fused optimizer unscales them itself; fp16 gradients are
     then accepted) and turns the statistics into those of the unscaled values (abs-max x 1/S, sum
     of squares x 1/S^2: exact for power-of-two scales). ``with_stats=False`` runs torch's
-    found-inf-only op. ``mode`` (a resolved ``distributed`` setting: ``"auto"``, ``"replicated"``,
+    found-inf-only op. ``sample < 1`` (one group, not ``parts``: ``stats_layers``,
+    :mod:`strategies.schedule`): statistics of the :func:`strategies.schedule.sampled` share of the
+    tensors, the found-inf pass over the others. ``mode`` (a resolved ``distributed`` setting: ``"auto"``, ``"replicated"``,
     ``"sharded"``) reduces across ranks, every rank joining (also one without gradients):
     ``"replicated"`` MAX-reduces everything in one collective (:meth:`GradStats.all_reduce`); the
     others count each gradient's statistics in the replicated or the sharded half of ``2G`` groups
@@ -94,7 +98,10 @@ def gather(
             if parts:  # the sharded gradients count in groups G..2G-1
                 index = [(0 if index is None else index[i]) + num_groups * s for i, s in enumerate(sharded[device])]
                 inv = torch.cat([inv.reshape(-1)] * 2) if inv.numel() > 1 else inv
-            st = unscale_and_stats(gs, inv, index, groups)
+            if sample < 1.0 and index is None and not parts:
+                st = _sampled_pass(gs, inv, sample)
+            else:
+                st = unscale_and_stats(gs, inv, index, groups)
             # one group: a view of its flag, not a reduction (every op here runs after the pass
             # has evicted the caches, so each costs several microseconds on a large model)
             found[device] = st.found_inf.view(()) if groups == 1 else st.found_inf.amax()
@@ -117,3 +124,17 @@ def gather(
     total = total if total is not None else GradStats.empty(groups, scale.device)
     total = all_reduce_parts(total, num_groups) if parts else total.all_reduce("replicated")
     return {scale.device: total.found_inf.amax()}, total
+
+
+def _sampled_pass(gs: list[torch.Tensor], inv: torch.Tensor, sample: float) -> GradStats:
+    """The statistics of the sampled gradients, with found_inf over all of them: the others go
+    through the found-inf-only pass (unscaled in place all the same)."""
+    keep = sampled(len(gs), sample)
+    chosen = set(keep)
+    rest = [g for j, g in enumerate(gs) if j not in chosen]
+    st = unscale_and_stats([gs[j] for j in keep], inv)
+    if rest:
+        f = torch.zeros((), dtype=torch.float32, device=inv.device)
+        unscale_and_check(rest, inv, f)
+        st.found_inf = torch.maximum(st.found_inf, f)
+    return st

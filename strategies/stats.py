@@ -31,7 +31,7 @@ from strategies.formats import FP16_MIN_NORMAL
 
 __all__ = [
     "E_BINS", "E_LO", "GradStats", "bin_counts", "count_fraction", "count_fraction_reference", "exponent_histogram",
-    "fold_histogram", "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
+    "extremes", "nonfinite", "fold_histogram", "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
 ]
 
 
@@ -117,18 +117,41 @@ class GradStats:
 E_LO, E_BINS = -150, 280  # exponent bins floor(log2|g|) = -150 .. 129 cover every float32 value
 
 
+def extremes(g: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of ``g``'s entries in float64 (NaN propagates; ``[0, 0]`` when empty), on
+    ``g``'s device, no sync: two vectorised reductions that :func:`nonfinite` and AdaLoss's
+    abs-max (:func:`strategies.rules.adaloss.record_`) share at a layer boundary."""
+    if g.numel() == 0:  # host metadata, no sync
+        return torch.zeros(2, dtype=torch.float64, device=g.device)
+    g = g.detach()
+    return torch.stack((g.amin(), g.amax())).double()
+
+
+def nonfinite(ext: torch.Tensor) -> torch.Tensor:
+    """1.0 if the entries whose :func:`extremes` are ``ext`` (or each row of a stack of them)
+    hold an Inf or NaN, else 0.0 (float32): ``max - min`` in float64 is finite exactly when both are (no float32/16
+    difference overflows float64; +inf with +inf gives NaN). ``torch.isfinite(g).any()`` says the
+    same with an unvectorised CPU loop and a temporary the size of ``g``."""
+    d = ext[..., 1] - ext[..., 0]
+    return (d - d).ne(0).float()
+
+
 def exponent_histogram(g: torch.Tensor) -> torch.Tensor:
     """Counts of ``floor(log2|g|)`` over the nonzero finite entries of ``g`` (bin i: exponent E_LO + i).
 
-    Elementwise ops and one count, no boolean indexing (which reads its length on the host: a
-    sync on CUDA, and twice the time on the CPU): the mantissa of ``frexp`` is in [0.5, 1)
-    exactly for the nonzero finite entries (0, +-inf and NaN keep their value); the others are
-    counted in an extra bin that is dropped. Every float32 exponent, subnormals included, lands
-    in bins 1 .. 277."""
-    m, e = torch.frexp(g.detach().float().reshape(-1))
-    a = m.abs()
-    idx = torch.where((a >= 0.5) & (a < 1), e - (1 + E_LO), E_BINS)
-    return bin_counts(idx, sync_free=idx.device.type != "cpu")[:E_BINS]
+    Read off the bits, elementwise, and one count; no boolean indexing (which reads its length on
+    the host: a sync on CUDA). Every float32 value, subnormals included, is a *normal* float64,
+    so ``floor(log2|g|)`` is the float64 exponent field ``(bits >> 52) & 0x7FF`` minus its bias
+    1023: exponents -149 .. 127 land in bins 1 .. 277. Zero has the field 0 and +-inf/NaN 0x7FF;
+    shifted by ``E_LO + 1023`` and clamped to ``[0, E_BINS]`` they fall in bin 0 (no float32
+    exponent is -150, so the bin is emptied) and in the extra bin ``E_BINS`` (dropped). Equal bit
+    for bit to ``frexp`` of the selected entries (tests/strategies/test_underflow_target.py), in
+    fewer and cheaper passes (int16 indices: the CPU's bincount is the cost)."""
+    field = (g.detach().reshape(-1).double().view(torch.int64) >> 52).to(torch.int16) & 0x7FF
+    idx = (field - (E_LO + 1023)).clamp_(0, E_BINS)
+    counts = bin_counts(idx, sync_free=idx.device.type != "cpu")[:E_BINS]
+    counts[0] = 0
+    return counts
 
 
 def bin_counts(idx: torch.Tensor, sync_free: bool) -> torch.Tensor:

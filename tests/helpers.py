@@ -46,6 +46,21 @@ def forbid_host_sync() -> Iterator[None]:
             setattr(torch.Tensor, name, fn)
 
 
+def linear_output_grads(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """Hooks on ``model``'s Linear layers (in order): the returned dict receives, after a
+    backward, the gradient of each one's output by its index."""
+    grads: dict[int, torch.Tensor] = {}
+
+    def keep(k: int) -> Callable[..., None]:
+        def hook(mod: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: grads.__setitem__(k, g))
+        return hook
+
+    for k, m in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+        m.register_forward_hook(keep(k))
+    return grads
+
+
 def mlp(seed: int = 0, width: int = 16, depth: int = 3, d_in: int = 8, d_out: int = 4) -> torch.nn.Sequential:
     """A small deterministic MLP."""
     torch.manual_seed(seed)

@@ -10,7 +10,8 @@ the training runs record). ``layerwise`` runs unattached (one group), with its d
 as ``layerwise_adaloss`` (``rule: adaloss``, :data:`experiments.bench.common.VARIANTS`).
 
 (c) the attach cost per training step of the attach-based rules (their hooks, and AdaLoss's weight
-statistics) and (d) what a fused AdamW saves: :mod:`experiments.bench.steps`.
+statistics), (d) what a fused AdamW saves and (e) the attached rules' cost against ``stats_every``:
+:mod:`experiments.bench.steps`.
 
 (b) **Statistics pass** — ``strategies.stats.unscale_and_stats`` (the fused op when built) versus
 one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write),
@@ -291,11 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         hook_rows = bench_steps.bench_hooks(repeats)
         fused_size = sizes[-1]
         fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
+        every_rows = bench_steps.bench_every(repeats)
     meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": steps,
             "argv": argv_used}
-    result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "fused_adamw": fused_rows}
+    result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "fused_adamw": fused_rows,
+              "stats_every": every_rows}
     text = (format_tables(overhead, stats_rows, names) + "\n\n" + bench_steps.format_hooks(hook_rows) + "\n\n"
-            + bench_steps.format_fused(fused_rows, human(fused_size)))
+            + bench_steps.format_fused(fused_rows, human(fused_size)) + "\n\n" + bench_steps.format_every(every_rows))
     la = meta.get("loadavg_1_5_15")
     if la:
         text += (f"\n\nload average (1/5/15 min) before: {load_before}, after: {[round(x, 2) for x in la]}; "

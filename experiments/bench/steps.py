@@ -1,10 +1,14 @@
 """``scalelab-bench`` sections (c) and (d): what a training step costs around the scaler.
 
 (c) **Attach cost per step** — forward + scaled backward + unscale_/step/update of a fixed MLP
-(8 x 512-wide layers, batch 256), with the strategy attached (its layer-boundary transforms run,
-and it gathers what it needs per step: AdaLoss's weight statistics) and without; the difference is
-the hooks' cost per backward plus those statistics. Only the strategies whose ``attach`` installs
-hooks.
+(8 x 512-wide layers, batch 256) and of the character GPT (:data:`HOOK_MODELS`), with the
+strategy attached (its layer-boundary transforms run, and it gathers what it needs per step:
+AdaLoss's weight statistics) and without; the difference is the hooks' cost per backward plus
+those statistics. Only the strategies whose ``attach`` installs hooks.
+
+(e) **Statistics every k steps, of a share of the layers** — the attached rules with
+``stats_every = k`` (1, 4, 16) and ``stats_layers = q`` (0.5, 0.25) against the plain step
+(:func:`bench_every`).
 
 (d) **Fused AdamW** — ``AdamW(fused=True)`` stepping the benchmark's gradients: with
 ``unscale_()`` first (the strategy's own in-place pass, then the optimizer) and without it (the
@@ -16,47 +20,128 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 import strategies
+from experiments.workloads.models import GPT
 from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio
 
-__all__ = ["bench_hooks", "bench_fused", "format_hooks", "format_fused"]
+__all__ = ["EVERY", "HOOK_MODELS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
+           "format_hooks"]
 
-def bench_hooks(repeats: int) -> list[dict[str, Any]]:
-    """Two copies of one MLP, one with the strategy attached, timed round by round: a training
-    step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
-    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
+
+def _mlp() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The 8 x 512 MLP (batch 256, MSE): its 9 linear layers are its groups/boundaries."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
                                 torch.nn.Linear(512, 1))
     x, y = torch.randn(256, 512), torch.randn(256, 1)
+    return model, lambda m: F.mse_loss(m(x), y)
+
+
+def _gpt() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The character GPT of ``experiments.workloads.models`` (4 blocks of width 128, batch 16 x 64
+    tokens, next-token cross-entropy): boundaries ``embed``, ``blocks.0..3``, ``ln_f``, ``head``."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    idx = torch.randint(0, 256, (16, 65))
+    x, y = idx[:, :-1], idx[:, 1:]
+    return model, lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+
+HOOK_MODELS = {"mlp": _mlp, "gpt": _gpt}
+"""Section (c)'s models: name -> (model, its loss)."""
+
+
+def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[dict[str, Any]]:
+    """Per model, two copies, one with the strategy attached, timed round by round: a training
+    step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
+    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
+    rows = []
+    for model_name in models:
+        model, loss_of = HOOK_MODELS[model_name]()
+        for label, kw in HOOKED.items():
+            name = "layerwise" if label.startswith("layerwise") else label
+            attached_model = copy.deepcopy(model)
+            plain = strategies.create(name, **kw)
+            hooked = strategies.create(name, **kw).attach(attached_model)
+            opts = {id(model): NoOpOptimizer(list(model.parameters())),
+                    id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
+
+            def train_step(m: torch.nn.Module, s: Any) -> None:
+                m.zero_grad(set_to_none=True)
+                s.scale(loss_of(m)).backward()
+                s.step(opts[id(m)])
+                s.update()
+
+            t = paired_ms({"plain": lambda: train_step(model, plain),
+                           "hooked": lambda: train_step(attached_model, hooked)}, repeats)
+            hooked.detach()
+            t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
+            rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
+                         "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"])})
+    return rows
+
+
+EVERY = ((1, 1.0), (4, 1.0), (16, 1.0), (1, 0.5), (1, 0.25))
+"""Section (e)'s ``(stats_every, stats_layers)`` settings (``layerwise`` takes only ``stats_layers = 1``)."""
+
+
+def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, block: int = 16) -> list[dict[str, Any]]:
+    """(e) The attached rules on the MLP with ``stats_every = k`` and ``stats_layers = q``: per
+    round, ``block`` training steps (so each k's share of statistic steps, 1/k, is in every timing)
+    of the plain copy and of an attached copy per setting, side by side; the ratio is
+    attached(k, q) / plain in the same round."""
+    model, loss_of = _mlp()
     rows = []
     for label, kw in HOOKED.items():
         name = "layerwise" if label.startswith("layerwise") else label
-        attached_model = copy.deepcopy(model)
-        plain = strategies.create(name, **kw)
-        hooked = strategies.create(name, **kw).attach(attached_model)
+        settings = [(k, q) for k, q in every if q == 1.0 or name != "layerwise"]
+        copies = {"plain": (model, strategies.create(name, **kw))}
+        for k, q in settings:
+            m = copy.deepcopy(model)
+            copies[f"{k},{q}"] = (m, strategies.create(name, **kw, stats_every=k, stats_layers=q).attach(m))
+        opts = {key: NoOpOptimizer(list(m.parameters())) for key, (m, _) in copies.items()}
 
-        opts = {id(model): NoOpOptimizer(list(model.parameters())),
-                id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
+        def steps(key: str) -> None:
+            m, s = copies[key]
+            for _ in range(block):
+                m.zero_grad(set_to_none=True)
+                s.scale(loss_of(m)).backward()
+                s.step(opts[key])
+                s.update()
 
-        def train_step(m: torch.nn.Module, s: Any) -> None:
-            m.zero_grad(set_to_none=True)
-            s.scale(F.mse_loss(m(x), y)).backward()
-            s.step(opts[id(m)])
-            s.update()
-
-        t = paired_ms({"plain": lambda: train_step(model, plain),
-                        "hooked": lambda: train_step(attached_model, hooked)}, repeats)
-        hooked.detach()
-        t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
-        rows.append({"strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
-                     "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"])})
+        t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats)
+        for key, (_, s) in copies.items():
+            s.detach()
+        rows += [{"strategy": label, "stats_every": k, "stats_layers": q,
+                  "plain_ms": statistics.median(t["plain"]) / block,
+                  "attached_ms": statistics.median(t[f"{k},{q}"]) / block,
+                  "ratio": paired_ratio(t[f"{k},{q}"], t["plain"])} for k, q in settings]
     return rows
+
+
+def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
+    """``head`` lines, then one column per ``(header, key, width, format)`` (format ``"s"``: left
+    aligned text; ``"x"``: a ratio), one line per row."""
+    def cell(r: dict[str, Any], key: str, w: int, f: str) -> str:
+        return f"{r[key]:<{w}}" if f == "s" else f"{r[key]:>{w - 1}.2f}x" if f == "x" else f"{r[key]:>{w}{f}}"
+
+    header = "".join(f"{h:<{w}}" if f == "s" else f"{h:>{w}}" for h, _, w, f in cols)
+    lines = [*head, "", "  " + header, "  " + "-" * len(header)]
+    return "\n".join(lines + ["  " + "".join(cell(r, k, w, f) for _, k, w, f in cols) for r in rows])
+
+
+def format_every(rows: list[dict[str, Any]]) -> str:
+    return _table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
+                   "    rules on the MLP, blocks of 16 training steps; median ms per step; ratio: median over rounds of",
+                   "    attached(k, q) / plain in the same round"],
+                  [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
+                   ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, "x")],
+                  rows)
 
 
 def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],
@@ -86,13 +171,12 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
-    lines = ["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256):",
-             "    forward + scaled backward + unscale_/step (no-op)/update, median ms;",
-             "    ratio: median over rounds of attached / plain in the same round", "",
-             f"  {'strategy':<20}{'plain':>10}{'attached':>12}{'extra':>10}{'ratio':>9}", "  " + "-" * 59]
-    lines += [f"  {r['strategy']:<20}{r['plain_ms']:>10.3f}{r['attached_ms']:>12.3f}{r['extra_ms']:>10.3f}"
-              f"{r['ratio']:>8.2f}x" for r in rows]
-    return "\n".join(lines)
+    return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
+                   "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
+                   "    (no-op)/update, median ms; ratio: median over rounds of attached / plain in the same round"],
+                  [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
+                   ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, "x")],
+                  rows)
 
 
 def format_fused(rows: list[dict[str, Any]], size: str) -> str:

@@ -30,8 +30,9 @@ from torch.distributed.tensor import DTensor
 from strategies.kernels import f32_of_double
 from strategies.layer_groups import overflow_origin
 from strategies.sharding import all_reduce_, local
+from strategies.stats import unscale_and_stats
 
-__all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "quantile", "record_"]
+__all__ = ["WeightStats", "adaloss_step_", "adaloss_update_", "observe", "quantile", "record_"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,20 +52,38 @@ def quantile(underflow_rate: float) -> float:
     return math.sqrt(2.0) * _erfinv(underflow_rate)
 
 
-def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, group: int, grad: torch.Tensor,
-            scale: torch.Tensor) -> None:
-    """Accumulate, for ``group``, the sum of squares, count and abs-max of ``grad / scale``."""
-    g = grad.detach().float() / scale
-    g2[group] += g.square().sum()
-    n[group] += g.numel()
-    gmax[group] = torch.maximum(gmax[group], g.abs().amax())
+def observe(grad: torch.Tensor, ext: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """What :func:`record_` needs of one gradient arriving at a group's output: its sum of squares
+    (one ``dot``), its size and its :func:`strategies.stats.extremes` ``ext`` (read by the caller)."""
+    g = grad.detach().reshape(-1).float()
+    return torch.dot(g, g), g.numel(), ext
+
+
+def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, scales: torch.Tensor,
+            seen: list[tuple[int, int, tuple[torch.Tensor, int, torch.Tensor]]]) -> None:
+    """Accumulate, per group a, the sum of squares, count and abs-max of ``grad / S_b`` over the
+    gradients ``seen`` as ``(a, b, observe(grad, ...))`` (b: the group whose scale the gradient
+    carries), in one go for a step's crossings. The scales are powers of two, so these are the
+    gradient's own times ``1/S_b^2`` and ``1/S_b`` (exact, but where an entry's square leaves
+    float32's range)."""
+    if not seen:
+        return
+    dev = g2.device
+    a = torch.tensor([x[0] for x in seen], device=dev)
+    inv = scales.index_select(0, torch.tensor([x[1] for x in seen], device=dev)).reciprocal()
+    sq, size, ext = zip(*(x[2] for x in seen))
+    g2.index_add_(0, a, torch.stack(sq) * (inv * inv))
+    n.index_add_(0, a, torch.tensor(size, dtype=n.dtype, device=dev))
+    gmax.scatter_reduce_(0, a, (torch.stack(ext).abs().amax(1) * inv).float(), "amax")
 
 
 class WeightStats:
     """Per group: mean of the squared weights, their abs-max and the fan (largest ``shape[0]``)
     over the weight matrices (dim >= 2); groups without one get (1, 1, 1). What depends only on
-    the groups (matrices, group ids, counts, fans) is built once; each call reads the matrices twice
-    (``_foreach_norm`` and ``aminmax``), with no temporaries of their size."""
+    the groups (matrices, group ids, counts, fans) is built once; each call reads the matrices once
+    (:func:`strategies.stats.unscale_and_stats` at inverse scale 1, which writes nothing: per group
+    the sum of squares and the abs-max), sharded ones (FSDP2) twice (``_foreach_norm`` 2 and inf,
+    then reduced over ranks)."""
 
     def __init__(self, groups: list[list[torch.Tensor]], device: torch.device) -> None:
         mats = [(gi, w) for gi, ws in enumerate(groups) for w in ws if w.dim() >= 2]
@@ -81,22 +100,24 @@ class WeightStats:
         self.has = self.count > 0
         self.fan = torch.tensor([f if f > 0 else 1.0 for f in fan], device=device)
         self.ones = torch.ones(G, device=device)
+        self.groups = [gi for gi, _ in mats]
+        self.one = torch.ones((), device=self.tensors[0].device) if self.tensors else self.ones
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.tensors:
             return self.ones, self.ones, self.fan
         with torch.no_grad():
             dev = self.ones.device
-            sq = torch.stack(torch._foreach_norm(self.tensors, 2)).float().to(dev).square()
-            if self.sharded:  # a shard may be empty (aminmax refuses it)
+            if self.sharded:  # norms: a shard may be empty
+                sq = torch.stack(torch._foreach_norm(self.tensors, 2)).float().to(dev).square()
                 mx = torch.stack(torch._foreach_norm(self.tensors, float("inf"))).float().to(dev)
                 all_reduce_([sq], "sum")
                 all_reduce_([mx], "max")
-            else:  # abs-max as max(-min, max): torch's inf-norm is unvectorised on the CPU (17x slower)
-                lo, hi = (torch.stack(t).float().to(dev) for t in zip(*(torch.aminmax(w) for w in self.tensors)))
-                mx = torch.maximum(-lo, hi)
-            w2 = torch.zeros_like(self.ones).index_add_(0, self.gid, sq) / self.count.clamp(min=1)
-            wmax = torch.zeros_like(self.ones).scatter_reduce_(0, self.gid, mx, "amax")
+                w2 = torch.zeros_like(self.ones).index_add_(0, self.gid, sq) / self.count.clamp(min=1)
+                wmax = torch.zeros_like(self.ones).scatter_reduce_(0, self.gid, mx, "amax")
+            else:  # per group, sum of squares and abs-max in one read (at scale 1 the pass writes nothing)
+                st = unscale_and_stats(self.tensors, self.one, self.groups, len(self.ones))
+                w2, wmax = st.sumsq.to(dev) / self.count.clamp(min=1), st.absmax.to(dev)
         return torch.where(self.has, w2, self.ones), torch.where(self.has, wmax, self.ones), self.fan
 
 

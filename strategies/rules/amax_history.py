@@ -49,6 +49,7 @@ from strategies import validation as v
 from strategies.base import Strategy
 from strategies.formats import FP16_MAX
 from strategies.params import ScalerParams, hp
+from strategies.schedule import StatsSchedule
 from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
@@ -92,7 +93,7 @@ def amax_history_update_(
 
 
 @dataclass
-class AmaxHistoryParams(ScalerParams):
+class AmaxHistoryParams(StatsSchedule, ScalerParams):
     history_len: int = hp(1024, v.integer(1), "TransformerEngine DelayedScaling (amax_history_len)",
                           "steps whose gradient abs-max (an overflow: its lower bound) is remembered")
     algo: str = hp("max", v.choice(*AMAX_ALGOS), "TransformerEngine DelayedScaling (amax_compute_algo)",

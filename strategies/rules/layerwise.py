@@ -75,6 +75,7 @@ from strategies.boundaries import Boundaries, Trace
 from strategies.graph_walk import fence
 from strategies.group_links import GroupLinks
 from strategies.params import ScalerParams, hp
+from strategies.schedule import StatsSchedule, hold_update_, stats_step
 from strategies.registry import register_strategy
 from strategies.rules import adaloss
 from strategies.rules.layerwise_update import RULES, layerwise_update_
@@ -82,7 +83,7 @@ from strategies.rules.max_ema import MaxEmaRule
 from strategies.sharding import refuse_flat_params
 from strategies.scaled_backwards import ScaledBackwards
 from strategies.state import State
-from strategies.stats import GradStats
+from strategies.stats import GradStats, extremes, nonfinite
 
 __all__ = ["LayerwiseParams", "LayerwiseStrategy", "RULES", "layerwise_update_"]
 
@@ -92,7 +93,7 @@ def _is_pow2(x: float) -> bool:
 
 
 @dataclass
-class LayerwiseParams(MaxEmaRule, ScalerParams):
+class LayerwiseParams(MaxEmaRule, StatsSchedule, ScalerParams):
     init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1",
                            "every group's initial scale, a power of two")
     growth_interval: Optional[int] = hp(None, v.optional(v.integer(1)), "scalelab",
@@ -107,6 +108,9 @@ class LayerwiseParams(MaxEmaRule, ScalerParams):
 
     def check(self) -> None:
         super().check()
+        if self.stats_layers != 1.0:
+            v.fail("stats_layers", "1.0 for layerwise (each group's scale needs its own group's statistics)",
+                   self.stats_layers)
         if self.growth_interval is None:
             self.growth_interval = 2000 if self.rule == "backoff_growth" else 1
         if not _is_pow2(self.init_scale):  # refused, not rounded: the record would name a scale never used
@@ -165,6 +169,9 @@ class LayerwiseStrategy(Strategy):
         self._boundaries: Boundaries | None = None
         self._scaled = ScaledBackwards()
         self._unscale_pending = False  # a create_graph backward crossed a boundary since unscale_grads
+        self._crossings: list[tuple[int, int, torch.Tensor]] = []  # (a, b, extremes) since the last flush
+        self._seen: list[Any] = []  # rule adaloss: (a, b, adaloss.observe(...)) since the last flush
+        self._ratios: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (scale, key, S_a / S_b)
 
     # ------------------------------------------------------------------ groups
     @property
@@ -212,6 +219,7 @@ class LayerwiseStrategy(Strategy):
             self._handle = None
         self._boundaries = None
         self._unscale_pending = False
+        self._crossings, self._seen = [], []
         if self.num_groups > 1 or self._param_group:
             self._links = GroupLinks(["all"], {})
             self._param_group, self._weights = {}, [[]]
@@ -248,10 +256,11 @@ class LayerwiseStrategy(Strategy):
         if not self._acting(links):
             return None
         a, b, trace_links = links.ends(trace, i)
-        s = self.state
-        if self.params.rule == "adaloss":  # the gradient arriving at group a's output, unscaled
-            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, a, grad, s.scale[b])
-        return None if a == b else self._convert(trace_links, a, b, grad)
+        adaloss_rule = self.params.rule == "adaloss"
+        ext = extremes(grad) if adaloss_rule or a != b else None  # one min/max read for both uses
+        if adaloss_rule and stats_step(self):  # the gradient arriving at group a's output, unscaled
+            self._seen.append((a, b, adaloss.observe(grad, ext)))
+        return None if a == b else self._convert(trace_links, a, b, grad, ext)
 
     def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
         """Before a call of group b: an argument whose gradient must arrive at another group a's
@@ -262,16 +271,46 @@ class LayerwiseStrategy(Strategy):
         a, b, trace_links = found
         return fence(t, lambda g: self._convert(trace_links, a, b, g) if self._acting(links) else None)
 
-    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor) -> torch.Tensor:
+    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor,
+                 ext: torch.Tensor | None = None) -> torch.Tensor:
         """A gradient at group b's scale entering group a's side: x S_a / S_b; a non-finite one
-        marks a contaminated and b as having emitted it (overflow attribution)."""
-        s = self.state
-        bad = (~torch.isfinite(grad)).any().float()
-        s.contaminated[a] = torch.maximum(s.contaminated[a], bad)
-        s.emitted[b] = torch.maximum(s.emitted[b], bad)
+        marks a contaminated and b as having emitted it (overflow attribution; ``ext``: its
+        :func:`strategies.stats.extremes` when already read)."""
+        self._crossings.append((a, b, extremes(grad) if ext is None else ext))
         if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates this backward
             self._unscale_pending = True
-        return group_links.rescale(trace_links, grad, s.scale[a] / s.scale[b])
+        return group_links.rescale(trace_links, grad, self._ratio(a, b))
+
+    def _ratio(self, a: int, b: int) -> torch.Tensor:
+        """``S_a / S_b``, from the ratios of every pair computed once per value of the scales
+        (one division per update instead of three ops per boundary crossing). The value is known
+        by the scale tensor, the update count (the update ops write it without bumping its
+        version) and its version (a Python write: ``load_state_dict``, ``update(new_scale)``)."""
+        scale = self.state.scale
+        key = (self.updates, scale._version)
+        if self._ratios is None or self._ratios[0] is not scale or self._ratios[1] != key:
+            self._ratios = (scale, key, scale[:, None] / scale[None, :])
+        return self._ratios[2][a, b]
+
+    def _flush_crossings(self) -> None:
+        """The overflow attribution of the crossings since the last flush, in one go: a non-finite
+        gradient crossing from group b into group a (:func:`strategies.stats.nonfinite` of its
+        extremes) marks a contaminated and b as having emitted it. Run when the gradients are
+        unscaled (before a cross-rank reduction of the marks) and at the update."""
+        s = self.state
+        if self._seen:  # rule adaloss: the gradients arriving at the groups' outputs
+            adaloss.record_(s.ada_g2, s.ada_n, s.ada_gmax, s.scale, self._seen)
+            self._seen = []
+        if not self._crossings:
+            return
+        below, above, ext = zip(*self._crossings)
+        self._crossings = []
+        bad = nonfinite(torch.stack(ext))
+        s.contaminated.scatter_reduce_(0, torch.tensor(below, device=bad.device), bad, "amax")
+        s.emitted.scatter_reduce_(0, torch.tensor(above, device=bad.device), bad, "amax")
+
+    def on_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self._flush_crossings()
 
     # ------------------------------------------------------------------ gradient penalty
     def unscale_grads(self, grads: Sequence[torch.Tensor | None],
@@ -316,8 +355,25 @@ class LayerwiseStrategy(Strategy):
         return index
 
     # ------------------------------------------------------------------ the rule
+    def hold_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        """Between statistic steps (``stats_every``, :mod:`strategies.schedule`): on an overflow
+        the groups it is blamed on back off (every group's growth tracker restarts), else nothing
+        changes. No host sync."""
+        assert stats is not None  # the grouped pass runs every step
+        self._flush_crossings()
+        s = self.state
+        origin = layer_groups.overflow_origin(found_inf, stats.found_inf, s.emitted, s.contaminated)
+        blamed = torch.where(origin, s.scale, torch.zeros_like(s.scale))
+        hold_update_(blamed, s.growth_tracker, found_inf, self.params.backoff_factor)
+        s.scale.copy_(torch.where(origin, blamed, s.scale))
+        s.overflow_origin.copy_(origin)
+        self._unscale_pending = False
+        s.contaminated.zero_()
+        s.emitted.zero_()
+
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
         assert stats is not None
+        self._flush_crossings()
         p, s = self.params, self.state
         lo, hi = p.pow2_bounds
         if p.rule == "adaloss":

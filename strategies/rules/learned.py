@@ -70,6 +70,7 @@ from strategies import validation as v
 from strategies.base import Strategy
 from strategies.formats import FP16_MAX
 from strategies.params import ScalerParams, hp
+from strategies.schedule import StatsSchedule
 from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
@@ -80,7 +81,7 @@ LN2 = math.log(2.0)
 
 
 @dataclass
-class LearnedParams(ScalerParams):
+class LearnedParams(StatsSchedule, ScalerParams):
     init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §4.6 (max scaling's start; as max_ema)")
     growth_interval: int = hp(1, v.integer(1), "scalelab", "finite steps after an overflow before S may rise again")
     target_max: float = hp(32768.0, v.finite_positive, "seed 003 §4.6", "T: where the surrogate puts S * absmax")

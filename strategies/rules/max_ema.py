@@ -54,6 +54,7 @@ from strategies import validation as v
 from strategies.base import Strategy
 from strategies.formats import FP16_MAX, round_down_pow2
 from strategies.params import ScalerParams, hp
+from strategies.schedule import StatsSchedule
 from strategies.registry import register_strategy
 from strategies.state import State
 from strategies.stats import GradStats
@@ -147,7 +148,7 @@ class MaxEmaRule:
 
 
 @dataclass
-class MaxEmaParams(MaxEmaRule, ScalerParams):
+class MaxEmaParams(MaxEmaRule, StatsSchedule, ScalerParams):
     init_scale: float = hp(2.0**15, v.finite_positive, "seed 003 §3.1 (starting value of max scaling)")
     growth_interval: int = hp(1, v.integer(1), "scalelab", "finite steps after an overflow before S may grow again")
     round_pow2: bool = hp(False, v.boolean, "scalelab", "round S down to a power of two after every update")

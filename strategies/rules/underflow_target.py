@@ -22,7 +22,9 @@ and ``cdf[j] = sum_{e <= j} h[e]``:
 A non-finite step is skipped and S × backoff_factor (the histogram is discarded). A step whose
 observed activation gradients are all zero is read as total underflow: S × growth_factor. Not
 attached (nothing observed): S is kept, with one warning — the measured counterpart of AdaLoss's
-Gaussian estimate needs the layers. Cost: one exponent histogram (a read of every activation
+Gaussian estimate needs the layers. ``stats_every = k``: histograms only in the backwards of
+statistic steps, S held in between; ``stats_layers = q``: histograms at a share q of the
+boundaries (:mod:`strategies.schedule`). Cost: one exponent histogram (a read of every activation
 gradient, ``frexp`` + ``bincount``) per boundary per backward, on the device, no host sync.
 """
 
@@ -41,6 +43,7 @@ from strategies.boundaries import Boundaries
 from strategies.formats import FP16_MIN_NORMAL
 from strategies.model_layers import layers
 from strategies.params import ScalerParams, hp
+from strategies.schedule import StatsSchedule, sampled, stats_step
 from strategies.registry import register_strategy
 from strategies.scaled_backwards import ScaledBackwards
 from strategies.sharding import refuse_flat_params
@@ -82,7 +85,7 @@ def underflow_target_update_(
 
 
 @dataclass
-class UnderflowTargetParams(ScalerParams):
+class UnderflowTargetParams(StatsSchedule, ScalerParams):
     target: float = hp(1e-3, v.between(0.0, 1.0, "[)"), "AdaLoss (Zhao et al. 2019): underflow rate 1e-3",
                        "largest fraction of nonzero activation-gradient entries left below the smallest normal")
     target_max: float = hp(32768.0, v.finite_positive, "seed 003 §4.6", "the largest scaled entry stays at or below")
@@ -116,7 +119,9 @@ class UnderflowTargetStrategy(Strategy):
         ``ValueError`` while the model carries another strategy's hooks (``detach()`` that one)."""
         self.detach()
         refuse_flat_params(model, self.name)
-        modules = [model.get_submodule(name) for name in layers(model)] or [model]
+        names = layers(model)  # stats_layers: an evenly spread share of them, from the input side
+        picked = sampled(len(names), self.params.stats_layers) if names else []
+        modules = [model.get_submodule(names[j]) for j in picked] or [model]
         self._boundaries = Boundaries.of(model)
         self._handle = self._boundaries.register("observe", modules, on_grad=self._observe, owner=self)
         return self
@@ -137,7 +142,7 @@ class UnderflowTargetStrategy(Strategy):
         self._boundaries = None
 
     def _observe(self, trace: object, i: int, g: torch.Tensor) -> None:
-        if self.state is not None and self._scaled.active():  # a backward of a loss scaled here
+        if self.state is not None and self._scaled.active() and stats_step(self):  # scaled here; a statistic step
             self.state.exp_hist.add_(exponent_histogram(g).to(self.state.exp_hist))
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:

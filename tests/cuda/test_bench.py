@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 import strategies
-from experiments.bench import cli as bench, common as bench_common
+from experiments.bench import cli as bench, common as bench_common, steps as bench_steps
 
 
 def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
@@ -33,8 +33,13 @@ def test_bench_writes_rows_for_every_strategy(tmp_path, capsys):
             assert r[f"fused_over_{other}"] == pytest.approx(want)
     table = capsys.readouterr().out
     assert "GradScaler" in table and "fused/mul" in table and "fused/unscale" in table
-    assert {r["strategy"] for r in data["hooks"]} == set(bench_common.HOOKED)
+    assert [(r["model"], r["strategy"]) for r in data["hooks"]] == [
+        (m, k) for m in bench_steps.HOOK_MODELS for k in bench_common.HOOKED]  # the MLP and the GPT
     assert all(r["ratio"] > 0 and r["plain_ms"] > 0 and r["attached_ms"] > 0 for r in data["hooks"])
+    assert [(r["strategy"], r["stats_every"], r["stats_layers"]) for r in data["stats_every"]] == [
+        (name, k, q) for name in bench_common.HOOKED for k, q in bench_steps.EVERY
+        if q == 1.0 or not name.startswith("layerwise")]  # layerwise reads every group
+    assert "(e) statistics every k steps" in table
 
 
 @pytest.mark.parametrize("text,value", [("50M", 50_000_000), ("250K", 250_000), ("1000", 1000), ("1.5M", 1_500_000)])

@@ -5,6 +5,8 @@ input-side layers underflow under one global scale."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from scipy.special import erfinv
 
 import strategies
 from strategies.rules.adaloss import adaloss_update_
+from tests.helpers import linear_output_grads, mlp
 
 
 def reference_scales(g_sigma2, g_max, w_sigma2, w_max, fan, n_uf=1e-3, u_min=6.0e-8, u_max=65504.0,
@@ -127,3 +130,25 @@ def test_weight_statistics_equal_a_plain_computation() -> None:
     assert w2.tolist() == pytest.approx(want_w2, rel=1e-6)
     assert wmax.tolist() == [max(m.abs().max().item() for m in g) if g else 1.0 for g in mats]
     assert fan.tolist() == [8.0, 1.0, 16.0]
+
+
+def test_recorded_gradient_statistics_are_those_of_each_groups_output_gradient() -> None:
+    """At unscale_, each group's (sum of squares, count, abs-max) are those of the fp32 gradient of
+    its output (a plain backward, hooks on a copy), for groups at different scales."""
+    model = mlp(seed=2, width=16, depth=4)
+    ref = copy.deepcopy(model)
+    grads = linear_output_grads(ref)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    F.mse_loss(ref(x), y).backward()
+    s = strategies.create("layerwise", rule="adaloss", init_scale=1.0).attach(model)
+    s.scale(torch.ones(()))
+    sd = s.state_dict()
+    sd["extra"]["scale"] = [2.0**9, 2.0**5, 2.0**-3, 2.0**2]
+    s.load_state_dict(sd)
+    s.scale(F.mse_loss(model(x), y)).backward()
+    s.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+    st = s.state
+    want = [grads[k] for k in range(4)]
+    assert st.ada_n.tolist() == [float(g.numel()) for g in want]
+    assert st.ada_g2.tolist() == pytest.approx([float(g.double().square().sum()) for g in want], rel=1e-5)
+    assert st.ada_gmax.tolist() == pytest.approx([float(g.abs().max()) for g in want], rel=1e-6)

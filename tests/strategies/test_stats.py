@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from strategies.formats import FP16_MIN_NORMAL
-from strategies.stats import GradStats, unscale_and_stats, unscale_and_stats_reference, zeros_and_subnormals
+from strategies.stats import (GradStats, extremes, nonfinite, unscale_and_stats, unscale_and_stats_reference,
+                              zeros_and_subnormals)
 
 
 def definition(grads, inv, groups, G):
@@ -115,3 +116,24 @@ def test_zero_and_subnormal_counts_by_hand(dtype, threshold) -> None:
     zeros, subnormals = zeros_and_subnormals([a, b], threshold)
     assert zeros.dtype == subnormals.dtype == torch.int64
     assert (zeros.item(), subnormals.item()) == (4, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nonfinite_of_extremes_equals_isfinite_any(dtype) -> None:
+    """The boundary check (one min/max read) says what ``(~torch.isfinite(g)).any()`` says, on
+    the format's extreme finite values too (where a sum or a difference in the format overflows)."""
+    big = torch.finfo(dtype).max
+    cases = [[1.0, -2.0], [big, -big], [big, big], [-big, -big], [0.0], [math.inf, 1.0], [-math.inf, 1.0],
+             [math.inf, -math.inf], [math.nan, 1.0], [math.inf, math.inf], [-math.inf], [math.nan]]
+    gen = torch.Generator().manual_seed(3)
+    for values in cases:
+        g = torch.cat([torch.randn(1000, generator=gen), torch.tensor(values)]).to(dtype)
+        g = g[torch.randperm(g.numel(), generator=gen)].reshape(1, -1)
+        want = float((~torch.isfinite(g)).any())
+        ext = extremes(g)
+        assert nonfinite(ext).item() == want, values
+        if want == 0.0:  # and the extremes are the entries' own
+            assert ext.tolist() == [g.min().double().item(), g.max().double().item()]
+    assert nonfinite(extremes(torch.empty(0, dtype=dtype))).item() == 0.0
+    rows = torch.stack([extremes(torch.tensor(v)) for v in ([1.0], [math.nan], [2.0, math.inf])])
+    assert nonfinite(rows).tolist() == [0.0, 1.0, 1.0]  # one verdict per row
