@@ -37,6 +37,7 @@ import math
 import torch
 
 from strategies.base import Strategy
+from strategies.probe import ReferenceProbe
 from strategies.stats import E_BINS, E_LO, GradStats
 from strategies.tracing.trace import Histogram, Trace
 
@@ -66,7 +67,7 @@ def unreplayable(strategy: Any) -> str | None:
         return f"{name}: not a scalelab Strategy (its update cannot be fed a trace)"
     if not strategy.is_enabled():
         return f"{name}: disabled (no scaling): nothing to replay"
-    if hasattr(strategy, "probe_sums") or type(strategy).on_unscale is not Strategy.on_unscale:
+    if isinstance(strategy, ReferenceProbe):  # norm_ratio, hybrid: the probe's fp32 gradient
         return (f"{name} compares each probe step's gradient with an fp32 reference gradient (its probe); the "
                 "trace records none, and replaying it would be a guess")
     if getattr(strategy.params, "rule", None) == "adaloss":
