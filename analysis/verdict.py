@@ -12,7 +12,7 @@ from analysis.paired import min_wilcoxon_p
 from analysis.tables import BASELINE
 from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci, fmt_p, pct
-from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, TOO_FEW,
                             NOT_COMPARABLE, PHRASES, TIE, WORSE_FEW)
 
 __all__ = ["cell_verdict", "comparison", "evidence", "overall_verdict", "phrase"]
@@ -151,17 +151,22 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     """One paragraph: which strategy keeps training healthiest and at what cost.
 
     Health, in this order: fewest diverged runs; most often in the top tier of final eval loss
-    (over the reduced-precision workload×precision cells); fewest skipped steps; smallest
+    (over the reduced-precision workload×precision cells where more than one strategy ran: bf16
+    runs only ``none`` and would crown it by default); fewest skipped steps; smallest
     activation-gradient zero fraction (the underflow loss scaling exists to prevent). Cost: the
     strategy's share of step time — shown, never a criterion (wall-clock time moves with machine
     load, issue 30). Strategies that read the same on every criterion (as written) tie: the paragraph names them all,
-    never the first in some order. When no strategy beat ``native`` on final eval loss in any
-    cell (the interval of P(lower loss) above 0.5), the paragraph opens by saying so — the pick
-    is then made by the secondary criteria among strategies the seeds cannot separate."""
+    never the first in some order. When no strategy is clearly better than ``native`` on final
+    eval loss in any cell ('better in these seeds, but too few seeds' is named, not counted), the
+    paragraph opens by saying so and advises keeping ``native`` — the pick that follows is then
+    made by the secondary criteria among strategies the seeds cannot separate (issue 30)."""
     low = ranks[ranks["precision"] != REFERENCE_PRECISION].dropna(subset=["rank"])
     if low.empty:
         return ("**Verdict:** no reduced-precision strategy finished a run, so nothing can be "
                 "compared — see the run-status table.")
+    # a cell with one strategy (bf16 runs only `none`) ranks nobody against anybody: not counted
+    contested = low[low.groupby(["workload", "precision"])["strategy"].transform("nunique") > 1]
+    low = contested if not contested.empty else low
     cells = low.groupby(["workload", "precision"]).ngroups
     tier1 = low[low["rank"] == low.groupby(["workload", "precision"])["rank"].transform("min")]
     s_low = summary[summary["precision"] != REFERENCE_PRECISION]
@@ -170,17 +175,22 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     same = board[[_shown(r) == _shown(best) for _, r in board.iterrows()]]
 
     winners: list[str] = []
+    hints: list[str] = []
     comparable = False
     if comps is not None and not comps.empty:
         loss = comps[(comps["metric"] == PRIMARY) & (comps["baseline"] == BASELINE)
                      & (comps["precision"] != REFERENCE_PRECISION)]
         comparable = bool((loss["reading"] != NOT_COMPARABLE).any())
-        winners = sorted(set(loss[loss["reading"].isin([CLEARLY_BETTER, BETTER_FEW])]["strategy"]))
+        winners = sorted(set(loss[loss["reading"] == CLEARLY_BETTER]["strategy"]))
+        hints = sorted(set(loss[loss["reading"] == BETTER_FEW]["strategy"]))
     text = "**Verdict:** "
     if comparable and not winners:
-        text += (f"no strategy reached a detectably lower {LOSS} than `{BASELINE}` in "
-                 f"any comparison (every paired reading is '{NO_DIFFERENCE}' or worse). "
-                 f"Judged also by divergence, {SKIPPED_STEPS.noun} and underflow, ")
+        text += (f"nothing beat `{BASELINE}` (torch's GradScaler) on {LOSS} in any comparison "
+                 f"(no paired reading is '{CLEARLY_BETTER}'"
+                 + (f"; lower in these seeds, but {TOO_FEW} to call: " + ", ".join(code(h) for h in hints)
+                    if hints else "")
+                 + f"): keep `{BASELINE}` unless a secondary metric decides. "
+                 f"Judged only by divergence, {SKIPPED_STEPS.noun} and underflow, ")
     elif winners:
         text += (f"beating `{BASELINE}` on {LOSS} in at least one comparison: "
                  + ", ".join(code(w) for w in winners) + ". Overall, ")

@@ -15,7 +15,7 @@ from analysis.metrics import FINAL_EVAL_LOSS, STRATEGY_OVERHEAD
 from analysis.tables import compare_to_baseline
 from analysis.verdict import overall_verdict
 from analysis.when import ORDER, table_rows, which_strategy_when
-from analysis.words import CLEARLY_BETTER, NO_DIFFERENCE, TIE, TIMING
+from analysis.words import BETTER_FEW, CLEARLY_BETTER, NO_DIFFERENCE, TIE, TIMING
 
 RUNS = pd.DataFrame({"workload": "w", "regime": "tiny_grad", "precision": "fp16",
                      "strategy": ["native", "amax_history", "underflow_target"], "seed": 0,
@@ -103,3 +103,27 @@ def test_the_overall_verdict_reads_an_exact_tie_as_a_tie_and_ignores_overhead() 
     assert "`amax_history` kept training healthiest" in overall_verdict(summary, ranks)
     over = {"amax_history": 0.30, "underflow_target": np.nan}
     assert f"{TIE}: `amax_history`, `underflow_target`" in overall_verdict(*_board(list(over), over))
+
+
+def _loss_readings(readings: dict[str, str]) -> pd.DataFrame:
+    return pd.DataFrame([{"workload": "w", "precision": "fp16", "strategy": s, "baseline": "native",
+                          "metric": "final_eval_loss", "reading": r} for s, r in readings.items()])
+
+
+def test_the_verdict_says_plainly_when_nothing_beats_gradscaler_and_a_lone_control_crowns_nobody() -> None:
+    """issue 30: 'Overall, `none` kept training healthiest' came from bf16 cells where `none` ran
+    alone (top tier by default) and from readings of too few seeds counted as beating `native`."""
+    order = ["none", "native", "static"]
+    summary, ranks = _board(order, {s: 0.0 for s in order})
+    summary.loc[summary["strategy"] == "native", "skipped_steps_mean"] = 2.0
+    ranks.loc[ranks["strategy"] == "native", "rank"] = 2
+    alone = pd.DataFrame([{**summary.iloc[0].to_dict(), "precision": "bf16"} for _ in range(3)]).assign(
+        workload=["a", "b", "c"])  # three bf16 cells with `none` alone
+    ranks_alone = pd.DataFrame({"workload": ["a", "b", "c"], "precision": "bf16", "strategy": "none", "rank": 1})
+    text = overall_verdict(pd.concat([summary, alone]), pd.concat([ranks, ranks_alone]),
+                           _loss_readings({"none": BETTER_FEW, "static": NO_DIFFERENCE}))
+    assert text.startswith("**Verdict:** nothing beat `native` (torch's GradScaler) on final eval loss")
+    assert "too few seeds to call: `none`" in text and "keep `native`" in text
+    assert "top tier for final eval loss in 1 of 1" in text  # the lone bf16 cells are not counted
+    clear = overall_verdict(summary, ranks, _loss_readings({"static": CLEARLY_BETTER, "none": NO_DIFFERENCE}))
+    assert clear.startswith("**Verdict:** beating `native` on final eval loss in at least one comparison: `static`.")
