@@ -146,6 +146,29 @@ def _nanmean(col: pd.Series) -> float:
         return float(v.mean()) if v.size else float("nan")
 
 
+def _opening(comps: pd.DataFrame | None) -> str:
+    """The verdict's first words: the strategies clearly better than ``native`` on final eval loss
+    in some comparison, or — none being so — that nothing beat it (readings of too few seeds
+    named, not counted) and the advice to keep it."""
+    if comps is None or comps.empty:
+        return ""
+    loss = comps[(comps["metric"] == PRIMARY) & (comps["baseline"] == BASELINE)
+                 & (comps["precision"] != REFERENCE_PRECISION)]
+    winners = sorted(set(loss[loss["reading"] == CLEARLY_BETTER]["strategy"]))
+    hints = sorted(set(loss[loss["reading"] == BETTER_FEW]["strategy"]))
+    if winners:
+        return (f"beating `{BASELINE}` on {LOSS} in at least one comparison: "
+                + ", ".join(code(w) for w in winners) + ". Overall, ")
+    if not (loss["reading"] != NOT_COMPARABLE).any():
+        return ""
+    return (f"nothing beat `{BASELINE}` (torch's GradScaler) on {LOSS} in any comparison "
+            f"(no paired reading is '{CLEARLY_BETTER}'"
+            + (f"; lower in these seeds, but {TOO_FEW} to call: " + ", ".join(code(h) for h in hints)
+               if hints else "")
+            + f"): keep `{BASELINE}` unless a secondary metric decides. "
+            f"Judged only by divergence, {SKIPPED_STEPS.noun} and underflow, ")
+
+
 def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
                     comps: pd.DataFrame | None = None) -> str:
     """One paragraph: which strategy keeps training healthiest and at what cost.
@@ -174,26 +197,7 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
     best = board.iloc[0]
     same = board[[_shown(r) == _shown(best) for _, r in board.iterrows()]]
 
-    winners: list[str] = []
-    hints: list[str] = []
-    comparable = False
-    if comps is not None and not comps.empty:
-        loss = comps[(comps["metric"] == PRIMARY) & (comps["baseline"] == BASELINE)
-                     & (comps["precision"] != REFERENCE_PRECISION)]
-        comparable = bool((loss["reading"] != NOT_COMPARABLE).any())
-        winners = sorted(set(loss[loss["reading"] == CLEARLY_BETTER]["strategy"]))
-        hints = sorted(set(loss[loss["reading"] == BETTER_FEW]["strategy"]))
-    text = "**Verdict:** "
-    if comparable and not winners:
-        text += (f"nothing beat `{BASELINE}` (torch's GradScaler) on {LOSS} in any comparison "
-                 f"(no paired reading is '{CLEARLY_BETTER}'"
-                 + (f"; lower in these seeds, but {TOO_FEW} to call: " + ", ".join(code(h) for h in hints)
-                    if hints else "")
-                 + f"): keep `{BASELINE}` unless a secondary metric decides. "
-                 f"Judged only by divergence, {SKIPPED_STEPS.noun} and underflow, ")
-    elif winners:
-        text += (f"beating `{BASELINE}` on {LOSS} in at least one comparison: "
-                 + ", ".join(code(w) for w in winners) + ". Overall, ")
+    text = "**Verdict:** " + _opening(comps)
 
     def health(r: pd.Series) -> str:
         return (f"top tier for {LOSS} in {r['top']} of {cells}, "

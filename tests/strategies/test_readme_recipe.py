@@ -10,6 +10,7 @@ dataclass: a key the YAML does not state is overridable without ``+``). The same
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -64,6 +65,20 @@ def run_suite(tmp_path: Path, code: str, yaml: str) -> subprocess.CompletedProce
 def test_recipe_is_short() -> None:
     code, _ = recipe()
     assert len([line for line in code.splitlines() if line.strip()]) <= 30
+
+
+def test_recipe_keeps_the_house_rules_of_a_rule_module() -> None:
+    """Written to strategies/rules/ as the README says, the file is checked by tests/test_house.py
+    with every other module (a user following the README then runs make test): __all__ naming
+    what it defines, no function over 80 lines but the update twin."""
+    code, _ = recipe()
+    tree = ast.parse(code)
+    names = [n.value for node in tree.body if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+             for n in node.value.elts]
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert names and set(names) <= defined, names
+    assert all(node.end_lineno - node.lineno < 80 for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
 
 
 def test_recipe_passes_the_contract_suite_and_properties(tmp_path: Path) -> None:
