@@ -9,7 +9,13 @@ under pytest-xdist, safe). The recipe follows pytorch/extension-cpp.
 Environment:
 
 * ``SCALELAB_EXT_DIR`` — build root (``cpu/`` and ``cuda/`` builds beneath it; default
-  ``~/.cache/scalelab/ext/<torch>-<cpu|cuXY>-<isa>-<python>``).
+  ``~/.cache/scalelab/ext/<torch>-<cpu|cuXY>-<isa>-<python>-src<hash of the source folder's path>``,
+  so two checkouts with different ``cuda/`` sources keep a build each instead of rebuilding
+  each other's).
+* ``SCALELAB_EXT_LOCK_STALE_S`` — torch's build lock (``<build dir>/lock``) outlives a build that
+  was killed, and every later build then waits on it forever. A lock is taken as stale, removed
+  and named in one warning when nothing in the build folder has changed for this many seconds
+  (default 600: compiling one source takes a minute or two; :func:`clear_stale_lock`).
 * ``SCALELAB_CUDA_SRC`` — the ``cuda/`` source folder to build from (default: the copy a wheel
   or ``pip install .`` ships as ``strategies/cuda``; in a checkout or editable install,
   ``<repo>/cuda``). The build itself always goes to the build root above, never beside the sources.
@@ -22,19 +28,21 @@ Environment:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["MIN_CAPABILITY", "build", "build_arch_list", "build_directory", "isa", "ninja_on_path", "nvcc_archs",
-           "source_dir", "use_cuda"]
+__all__ = ["LOCK_STALE_S", "MIN_CAPABILITY", "build", "build_arch_list", "build_directory", "clear_stale_lock", "isa",
+           "ninja_on_path", "nvcc_archs", "source_dir", "use_cuda"]
 
 _X86_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -43,6 +51,8 @@ _X86_FLAGS = {
 
 MIN_CAPABILITY = (7, 0)
 """Volta: the oldest GPU that takes the statistics kernel's 32 KB parameter (with a CUDA 12.1+ driver)."""
+LOCK_STALE_S = 600.0
+"""Seconds without a change in the build folder after which its lock is taken as left by a killed build."""
 _PRE_VOLTA_NAMES = ("Kepler+Tesla", "Kepler", "Maxwell+Tegra", "Maxwell", "Pascal")  # torch's named arches
 
 
@@ -72,15 +82,38 @@ def use_cuda() -> bool:
 
 
 def build_directory(with_cuda: bool | None = None) -> Path:
-    """Stable build folder, one per (torch version, CUDA or not, CPU instruction set, Python)."""
+    """Stable build folder, one per (torch version, CUDA or not, CPU instruction set, Python, source folder)."""
     if with_cuda is None:
         with_cuda = use_cuda()
     env = os.environ.get("SCALELAB_EXT_DIR")
     if env:
         return Path(env) / ("cuda" if with_cuda else "cpu")
     dev = f"cu{torch.version.cuda.replace('.', '')}" if with_cuda else "cpu"
-    tag = f"torch{torch.__version__.split('+')[0]}-{dev}-{isa().lower()}-py{sys.version_info[0]}{sys.version_info[1]}"
+    src = hashlib.sha1(str(source_dir().resolve()).encode()).hexdigest()[:8]
+    tag = (f"torch{torch.__version__.split('+')[0]}-{dev}-{isa().lower()}-py{sys.version_info[0]}{sys.version_info[1]}"
+           f"-src{src}")
     return Path.home() / ".cache" / "scalelab" / "ext" / tag
+
+
+def clear_stale_lock(build_dir: Path, stale_s: float | None = None) -> bool:
+    """Remove ``build_dir/lock`` when nothing in ``build_dir`` (the lock included) changed for
+    ``stale_s`` seconds (default ``SCALELAB_EXT_LOCK_STALE_S`` or :data:`LOCK_STALE_S`): a live
+    build writes its objects and ninja log as it goes, a killed one leaves the lock behind and
+    torch's ``FileBaton`` would wait on it forever. Returns whether a lock was removed."""
+    lock = build_dir / "lock"
+    if stale_s is None:
+        stale_s = float(os.environ.get("SCALELAB_EXT_LOCK_STALE_S", LOCK_STALE_S))
+    try:
+        newest = max(f.stat().st_mtime for f in build_dir.iterdir())
+        if not lock.exists() or time.time() - newest < stale_s:
+            return False
+        lock.unlink()
+    except (FileNotFoundError, ValueError):  # the build finished (or the folder emptied) meanwhile
+        return False
+    warnings.warn(f"scalelab: removed the kernel build lock {lock}: nothing in its folder changed for "
+                  f"{stale_s:.0f} s, so the build that took it was killed (SCALELAB_EXT_LOCK_STALE_S)",
+                  RuntimeWarning, stacklevel=3)
+    return True
 
 
 def _sources(with_cuda: bool) -> list[str]:
@@ -154,6 +187,7 @@ def build(with_cuda: bool) -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir)
     ninja_on_path()
     cflags = ["-O3", "-ffp-contract=off", "-fopenmp", *_X86_FLAGS.get(isa(), [])]
     if with_cuda:
