@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from experiments import schema
 from experiments.app import checkpoint as ckpt
@@ -40,7 +38,7 @@ from experiments.app import distributed as dist, fidelity, preemption, recipe, s
 from experiments.app.build import AppError, ConfigError, one_line, build_data, build_model, build_optimizer, build_precision
 from experiments.app.build import build_strategy, run_labels
 from experiments.app.config import RunConfig
-from experiments.app.log_lines import LogLines
+from experiments.app.log_lines import RunProgress
 from experiments.app.recorder import Recorder, say
 from experiments.app.rl_step import check as check_rl, frozen_copy, rl_step
 from experiments.app.rundir import RunDir
@@ -198,13 +196,11 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
     evaluation and checkpoint; however the run ends, the one final summary (:func:`_finish`)."""
     tcfg, info = run_cfg.train, parts.info
     at = _Position(step=rec.start_step)
-    show = tcfg.progress and info.is_main and sys.stderr.isatty()
-    bar = tqdm(total=tcfg.steps, initial=rec.start_step, disable=not show, desc=names["strategy"], dynamic_ncols=True)
-    lines = LogLines(tcfg.progress and info.is_main, tcfg.steps, rec.start_step)  # a log's stand-in for the bar
+    progress = RunProgress(tcfg.progress and info.is_main, tcfg.steps, rec.start_step, names["strategy"])
     watch = preemption.RequeueWatch()
     exit_code = 1
     try:
-        _steps(run_cfg, parts, rec, names, at, bar, lines)
+        _steps(run_cfg, parts, rec, names, at, progress)
         if at.status == "running":
             if at.last_eval != at.step:
                 ev = _evaluate(parts.model, parts.data, parts.precision, info.device, tcfg.eval_batches)
@@ -219,13 +215,13 @@ def _train(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
         raise
     finally:
         watch.close()
-        bar.close()
+        progress.close()
         summary = _finish(parts, rec, at, exit_code)
     return summary
 
 
-def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str], at: _Position, bar: tqdm,
-           lines: LogLines) -> None:
+def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str], at: _Position,
+           progress: RunProgress) -> None:
     """Each step (:func:`experiments.app.step.train_step`), then its records (fidelity, train and
     eval lines, counters), the stops (ending the loop with ``at.status``), the checkpoint due and
     the kill aid."""
@@ -246,7 +242,7 @@ def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
         if done.probed is not None:
             rec.fidelity(step, done.probed, fidelity.seconds(done.probed))
         rec.count(step, done.loss, done.skipped, done.step_time, done.strategy_time)
-        if log_now and (stop := _train_line(run_cfg, parts, rec, names, step, done, bar, lines)) is not None:
+        if log_now and (stop := _train_line(run_cfg, parts, rec, names, step, done, progress)) is not None:
             at.status, at.error = stop
             return
         hooks.measure = False
@@ -263,7 +259,7 @@ def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
             return  # (one read, at the stop)
         if tcfg.checkpoint_step(step):
             rec.checkpoint(step, "running", parts.raw_model, parts.optimizer, parts.strategy)
-        bar.update(1)
+        progress.advance()
         if tcfg.kill_at_step is not None and step == tcfg.kill_at_step:
             # Testing aid: die as a SIGKILL would, without any cleanup.
             rec.close()
@@ -271,13 +267,12 @@ def _steps(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str
 
 
 def _train_line(run_cfg: RunConfig, parts: Parts, rec: Recorder, names: dict[str, str], step: int, done: StepResult,
-                bar: tqdm, lines: LogLines) -> stops.Stop | None:
+                progress: RunProgress) -> stops.Stop | None:
     """The train line of logging step ``step`` (the strategy's telemetry and the hooks' activation
     statistics read here), and the stop its loss calls for."""
     row = rec.train_line(step, done.loss, done.skipped, parts.strategy, done.grad_stats, parts.hooks.read(),
                          float(parts.optimizer.param_groups[0]["lr"]), done.step_time, done.strategy_time, done.extra)
-    bar.set_postfix(loss=f"{row['loss']:.3f}", scale=f"{row['scale']:.3g}", refresh=False)
-    lines.step(step, row)
+    progress.logged(step, row)
     return stops.logged_loss(row["loss"], step, rec.counters["skipped_steps"], run_cfg.train.divergence_loss,
                              names["precision"], parts.batch)
 
