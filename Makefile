@@ -16,6 +16,8 @@ TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
 QUICK      ?=
 IS_QUICK   := $(filter 1 yes true,$(QUICK))
+LONG       ?=
+IS_LONG    := $(filter 1 yes true,$(LONG))
 # The court (conf/experiment/court.yaml): QUICK=1 is its 5-minute pass (3 seeds, 400 steps)
 COURT_QUICK_ARGS := seed=0,1,2 train.steps=400 train.lr_warmup=20 train.eval_every=200 train.checkpoint_every=200
 COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
@@ -65,8 +67,8 @@ court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
-reproduce: setup ## Re-test the published loss-scaling claims, write docs/reproductions.md (QUICK=1: the 5-min subset)
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(BIN)/scalelab-reproduce $(if $(IS_QUICK),--quick)
+reproduce: setup ## Re-test the published loss-scaling claims, write docs/reproductions.md (QUICK=1: the 5-min subset; LONG=1: the claims with a horizon, at it -> docs/reproductions-long.md)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(BIN)/scalelab-reproduce $(if $(IS_QUICK),--quick) $(if $(IS_LONG),--long)
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
 	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md

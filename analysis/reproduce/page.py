@@ -54,13 +54,15 @@ def _write_record(out: str | Path, record: dict[str, Any]) -> None:
     write_atomic(Path(out) / RECORD_NAME, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
-def record_start(out: str | Path, command: str, quick: bool, claims: Sequence[str]) -> None:
+def record_start(out: str | Path, command: str, quick: bool, claims: Sequence[str], long: bool = False) -> None:
     """Note the runner's ``command`` and mode; forget the sweeps of the ``claims`` it will run
     again (those of other claims, run by an earlier command, stay)."""
     record = read_record(out)
     runs = record.get("claims") if isinstance(record.get("claims"), dict) else {}
     record = {"command": command, "quick": bool(quick),
               "claims": {k: v for k, v in runs.items() if k not in claims}}
+    if long:
+        record["long"] = True
     _write_record(out, record)
 
 
@@ -74,12 +76,13 @@ def record_sweep(out: str | Path, claim: str, command: str, rc: int, quick: bool
 
 
 # -- commands ------------------------------------------------------------------------------------
-def train_args(claim: Claim, out: str | Path, sweep: Sequence[str], quick: bool) -> list[str]:
+def train_args(claim: Claim, out: str | Path, sweep: Sequence[str], quick: bool, long: bool = False) -> list[str]:
     """The ``scalelab-train`` arguments of one sweep of ``claim``: multirun of its experiment into
-    ``<out>/<name>``, then the sweep's overrides, then ``claim.quick`` under ``--quick`` (a later
-    override of a key wins, so quick may cut what the sweep set)."""
+    ``<out>/<name>``, then the sweep's overrides, then ``claim.quick`` under ``--quick`` or
+    ``claim.long`` under ``--long`` (a later override of a key wins, so they may cut or stretch
+    what the sweep set)."""
     return ["-m", f"+experiment={claim.experiment}", f"hydra.sweep.dir={Path(out) / claim.name}",
-            *sweep, *(claim.quick if quick else ())]
+            *sweep, *(claim.quick if quick else ()), *(claim.long if long else ())]
 
 
 def larger_command(claim: Claim, sweep: Sequence[str]) -> str:

@@ -90,6 +90,10 @@ class Claim:
     * ``sweeps`` — one tuple of extra overrides per ``scalelab-train -m +experiment=repro_<name>``
       call (``((),)``: the experiment's own grid, once);
     * ``quick`` — overrides added to every sweep under ``--quick``;
+    * ``long`` and ``horizon`` — overrides added to every sweep under ``--long`` (issue 30: a
+      horizon at which the claim's mechanism acts, e.g. a 1024-step amax history filled or a
+      2000-step growth interval reached) and one sentence saying what acts there; a claim
+      without ``long`` has no such mechanism and ``--long`` leaves it out;
     * ``factors`` — config paths (``optimizer.lr``, ``strategy.init_scale``, ``model.qk_norm``)
       that tell the arms apart beyond strategy/precision/workload; each becomes a column;
     * ``evaluate`` — :class:`ClaimRuns` to findings;
@@ -107,6 +111,8 @@ class Claim:
     evaluate: Callable[[ClaimRuns], list[Finding]]
     sweeps: tuple[tuple[str, ...], ...] = ((),)
     quick: tuple[str, ...] = ()
+    long: tuple[str, ...] = ()
+    horizon: str = ""
     factors: tuple[str, ...] = ()
     experiment: str = ""
     order: int = 0
@@ -114,6 +120,8 @@ class Claim:
     def __post_init__(self) -> None:
         if not self.experiment:
             object.__setattr__(self, "experiment", f"repro_{self.name}")
+        if bool(self.long) != bool(self.horizon):
+            raise ValueError(f"claim {self.name!r}: long and horizon go together (the overrides and what acts there)")
 
 
 def _dig(cfg: Any, path: str) -> Any:

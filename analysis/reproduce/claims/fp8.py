@@ -112,5 +112,11 @@ CLAIM = Claim(
     evaluate=evaluate,
     sweeps=((), ("precision=bf16", "++precision.cast_scaling_roles=null")),
     quick=("train.steps=10", "train.batch_size=8"),
+    long=("train.steps=1200", "train.lr_warmup=60", "train.log_every=50"),
+    horizon=("TransformerEngine's delayed scaling scales each tensor by the max of its last 1024 abs-maxes "
+             "(amax_history_len 1024). In 40 steps the history holds every abs-max seen, the warmup's "
+             "included; at 1200 steps it has filled and rolled, so a delayed scale follows the abs-max "
+             "with a 1024-step window, as in a real run, and GradScaler's loss scale meets its first "
+             "growth interval's worth of clean steps only at 2000 (not reached here either)."),
     factors=tuple(ROLE_COLUMNS.values()),
 )
