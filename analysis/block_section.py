@@ -36,7 +36,10 @@ def block_table(blocks: pd.DataFrame) -> pd.DataFrame:
     """One row per (precision, role, layer): runs, blocks cast, the blocks-weighted
     ``clipped_share`` and ``flushed_share``, and the scale-exponent range; worst first within each
     precision (clipped share, then flushed share, descending)."""
-    rows = blocks.dropna(subset=["blocks"]) if not blocks.empty else blocks
+    if blocks.empty or "blocks" not in blocks:
+        return pd.DataFrame(columns=_COLUMNS)
+    rows = blocks.assign(**{c: float("nan") for c in ("clipped_share", "flushed_share", "scale_exp_lo",
+                                                       "scale_exp_hi") if c not in blocks}).dropna(subset=["blocks"])
     rows = rows[rows["blocks"] > 0] if not rows.empty else rows
     if rows.empty:
         return pd.DataFrame(columns=_COLUMNS)

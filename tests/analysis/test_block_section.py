@@ -105,3 +105,5 @@ def test_a_hostile_histogram_gives_no_range_and_the_rest_still_reads(sweep, tmp_
     assert len(table) > 0 and table["scale_exp_lo"].isna().all() and table["clipped_share"].notna().all()
     assert "2^– to 2^–" in block_reading(table, "nvfp4")
     assert block_table(pd.DataFrame()).empty
+    older = load_runs(str(run)).blocks.drop(columns=["scale_exp_lo", "scale_exp_hi", "flushed_share"])
+    assert block_table(older)["flushed_share"].isna().all()  # a table built without them still reads
