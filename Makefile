@@ -11,6 +11,7 @@ OUT        ?= runs/compare
 REPORT     ?= reports/compare
 EXPERIMENT ?= compare
 FP8_SWEEP  ?= workload=finetune
+BLOCK_SWEEP ?= workload=finetune strategy=native,none
 PAGE       ?= docs/findings.md
 TRAIN      := WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/scalelab-train
 PYTEST_ARGS ?=
@@ -43,9 +44,10 @@ test: setup ## Run the test suite (CI path: everything but tests marked slow)
 test-all: setup ## Run every test, slow ones included
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-compare: setup ## Run the default comparison (natural workloads: finetune, rl, deep nets, fp8, bf16) and write its report
+compare: setup ## Run the default comparison (natural workloads: finetune, rl, deep nets, fp8, nvfp4, bf16) and write its report
 	$(TRAIN) -m +experiment=$(EXPERIMENT) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 $(FP8_SWEEP) hydra.sweep.dir=$(OUT)
+	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=nvfp4 $(BLOCK_SWEEP) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT) --page $(PAGE)
 
@@ -53,7 +55,7 @@ compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps):
 	$(MAKE) compare EXPERIMENT=compare_full OUT=runs/compare_full REPORT=reports/compare_full PAGE=reports/compare_full/findings.md
 
 stress: setup ## The synthetic stress comparison (loss x1e-8, x1e4 spikes; the default until issue 30): runs/stress
-	$(MAKE) compare EXPERIMENT=stress OUT=runs/stress REPORT=reports/stress PAGE=reports/stress/findings.md FP8_SWEEP=regime=plain
+	$(MAKE) compare EXPERIMENT=stress OUT=runs/stress REPORT=reports/stress PAGE=reports/stress/findings.md FP8_SWEEP=regime=plain BLOCK_SWEEP='regime=plain strategy=native,none'
 
 court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on rl and finetune, writes docs/court.md (QUICK=1: 3 seeds, 400 steps)
 	@for wl in rl finetune; do \

@@ -5,7 +5,8 @@ estimates, comparisons with ``native`` and tiered rankings (:mod:`analysis.stats
 figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/compare``):
 
 * ``report.md`` and a self-contained ``report.html`` (figures embedded as base64 PNG) — a plain
-  verdict first, then tables with intervals, run statuses, figures and method notes;
+  verdict first, then tables with intervals, the block casts of runs in a block-scaled precision
+  mode (:mod:`analysis.block_section`), run statuses, figures and method notes;
 * ``results.csv`` — one row per workload × precision × strategy (counts by status, every
   metric's mean/IQM with 95 % intervals, rank); ``comparisons.csv`` (each strategy vs native,
   per metric, and vs the fp32 run of the same seed on final eval loss), ``runs.csv`` (one row
@@ -34,6 +35,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from analysis.block_section import block_section
 from analysis.bench import load_bench
 from analysis.document import Document, write_document
 from analysis.findings import findings_page
@@ -122,6 +124,7 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     ranking_section(doc, c)
     comparison_sections(doc, c)
     bench_section(doc, c.bench)
+    block_section(doc, rs)
     status_section(doc, rs)
     diagnosis_section(doc, rs.runs)
     figures_section(doc, c, out / "figures")  # after fresh_figures: the overview stays

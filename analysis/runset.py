@@ -18,7 +18,8 @@ Tables of a :class:`RunSet` (one row per …):
 * ``group_scales`` (run, step, scale group) for per-group strategies (``layerwise``);
 * ``exp_hist``     (run, step, exponent) of the activation-gradient exponent histogram;
 * ``blocks``       (run, step, layer, role) of a block-scaled run's casts (``block_stats``): ``blocks``
-  and the ``clipped_share``, ``clip_error_share``, ``flushed_share`` and ``zero_scale_share``.
+  and the ``clipped_share``, ``clip_error_share``, ``flushed_share`` and ``zero_scale_share``, and
+  ``scale_exp_lo`` / ``scale_exp_hi`` (the span of the block-scale exponent histogram).
 
 Bounds: the per-step tables of all runs together hold at most :data:`MAX_STEP_ROWS` rows (lines
 past it are not tabulated, and said). How one record's values are read, cut and counted, and
@@ -27,6 +28,7 @@ a run's status: :mod:`analysis.records`.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -44,7 +46,7 @@ from analysis.targets import steps_to_target
 
 __all__ = ["BLOCK_COLUMNS", "CHUNK_ROWS", "Builder", "DIAGNOSIS_COLUMNS", "EVAL_SCALARS", "FIDELITY_SCALARS",
            "IDENTITY_KEYS", "ID_COLUMNS", "MAX_STEP_ROWS", "RunLoadError", "RunSet",
-           "SUMMARY_COLUMNS", "TRAIN_SCALARS"]
+           "SUMMARY_COLUMNS", "TRAIN_SCALARS", "exp_range"]
 
 #: Columns of the ``runs`` table taken from ``summary.json`` (in this order).
 SUMMARY_COLUMNS = tuple(k for k in SUMMARY_FIELDS if k not in ("fingerprint", "segments"))
@@ -65,7 +67,9 @@ EVAL_SCALARS = tuple(k for k, f in EVAL_FIELDS.items() if f.type in (int, float)
 FIDELITY_SCALARS = tuple(k for k, f in FIDELITY_FIELDS.items()
                          if f.type in (int, float, bool) and k != "step")
 
-#: The numbers of a ``block_stats`` entry (``experiments/schema.py``) the ``blocks`` table keeps.
+#: The numbers of a ``block_stats`` entry (``experiments/schema.py``) the ``blocks`` table keeps;
+#: ``scale_exp_lo`` / ``scale_exp_hi`` are the lowest and highest scale exponent its
+#: ``scale_exp_hist`` counts (:func:`exp_range`).
 BLOCK_COLUMNS = ("blocks", "clipped_share", "clip_error_share", "flushed_share", "zero_scale_share")
 
 #: Identity columns copied onto every per-step table so each is usable on its own.
@@ -298,8 +302,9 @@ class Builder:
                 if not isinstance(row, Mapping):
                     bad["block_stats"] += 1
                     continue
+                lo, hi = exp_range(row.get("scale_exp_hist"))
                 self._append("blocks", dict(ident, step=step, layer=cut(str(layer), MAX_NAME),
-                                            role=cut(str(role), MAX_NAME),
+                                            role=cut(str(role), MAX_NAME), scale_exp_lo=lo, scale_exp_hi=hi,
                                             **{k: as_float(row.get(k)) for k in BLOCK_COLUMNS}))
 
     def build(self, sources: Sequence[str]) -> RunSet:
@@ -315,6 +320,20 @@ class Builder:
         if not runs.empty:
             runs[TARGET_COLUMN] = steps_to_target(runs, tables["train"])
         return RunSet(runs=runs, problems=list(self.problems), sources=list(sources), **tables)
+
+
+def exp_range(hist: Any) -> tuple[float | None, float | None]:
+    """The lowest and highest exponent with a nonzero count of a ``scale_exp_hist``
+    (``{"lo": int, "counts": [int]}``, bin ``i`` holding exponent ``lo + i``); ``(None, None)``
+    when it counts nothing or is not of that shape."""
+    if not isinstance(hist, Mapping) or not isinstance(hist.get("counts"), list):
+        return None, None
+    lo = as_float(hist.get("lo"))
+    counts = [as_float(c) for c in hist["counts"][:4096]]
+    used = [i for i, c in enumerate(counts) if c is not None and c > 0]
+    if lo is None or not math.isfinite(lo) or not used:
+        return None, None
+    return lo + used[0], lo + used[-1]
 
 
 def _sort_key(col: pd.Series) -> pd.Series:

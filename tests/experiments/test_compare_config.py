@@ -1,5 +1,5 @@
-"""``+experiment=compare`` and the two command-line variants ``make compare`` runs (fp8_e5m2;
-the fp32 reference and bf16 control) expand to the documented grids over the natural workloads
+"""``+experiment=compare`` and the three command-line variants ``make compare`` runs (fp8_e5m2;
+nvfp4; the fp32 reference and bf16 control) expand to the documented grids over the natural workloads
 (issue 30); ``stress`` (the synthetic multipliers, ``make stress``) and ``compare_tiny`` keep the
 grid the default comparison had before.
 
@@ -27,6 +27,7 @@ from experiments.app.train import CONF_DIR, group_options
 
 WORKLOADS = ["finetune", "rl", "deep_narrow", "cnn_deep"]  # compare's regimes: the natural workloads
 FP8 = ["precision=fp8_e5m2", "workload=finetune"]
+BLOCK = ["precision=nvfp4", "workload=finetune", "strategy=native,none"]
 CONTROLS = ["precision=fp32,bf16", "strategy=none"]
 SEEDS = [0, 1, 2]
 REGIMES = ["plain", "tiny_grad", "spikes"]  # stress's: the synthetic multipliers
@@ -86,16 +87,28 @@ def test_stress_keeps_the_synthetic_multipliers() -> None:
         itertools.product(["bf16", "fp32"], REGIMES, ["none"], STRESS_SEEDS))
 
 
-def test_the_makefile_runs_these_three_sweeps_then_the_report() -> None:
+def test_the_makefile_runs_these_four_sweeps_then_the_report() -> None:
     make = (CONF_DIR.parent / "Makefile").read_text()
     body = make.split("\ncompare: ")[1].split("\n\n")[0]
     assert [ln.split("-m ", 1)[1].replace(" hydra.sweep.dir=$(OUT)", "") for ln in body.splitlines() if " -m " in ln] == [
         "+experiment=$(EXPERIMENT)", "+experiment=$(EXPERIMENT) precision=fp8_e5m2 $(FP8_SWEEP)",
-        "+experiment=$(EXPERIMENT) " + " ".join(CONTROLS)]
+        "+experiment=$(EXPERIMENT) " + BLOCK[0] + " $(BLOCK_SWEEP)", "+experiment=$(EXPERIMENT) " + " ".join(CONTROLS)]
     assert "EXPERIMENT ?= compare\n" in make and "scalelab-report $(OUT)" in body
-    assert "FP8_SWEEP  ?= " + FP8[1] + "\n" in make
+    assert "FP8_SWEEP  ?= " + FP8[1] + "\n" in make and "BLOCK_SWEEP ?= " + " ".join(BLOCK[1:]) + "\n" in make
     stress = make.split("\nstress: ")[1].split("\n\n")[0]
     assert "EXPERIMENT=stress" in stress and "FP8_SWEEP=" + STRESS_FP8[1] in stress
+    assert "BLOCK_SWEEP='regime=plain strategy=native,none'" in stress
+
+
+def test_the_block_sweep_is_nvfp4_finetune_with_and_without_a_loss_scaler() -> None:
+    """Issue 31: one block-scaled regime; power-of-two loss scales commute exactly with the block
+    scales, so two scalers (GradScaler and none) are the cell, against the fp32 runs of the controls."""
+    jobs = expand("compare", *BLOCK)
+    assert _grid(jobs, "workload") == sorted(itertools.product(["nvfp4"], ["finetune"], ["native", "none"], SEEDS))
+    cfg = _job_cfg("compare", jobs[0])
+    assert cfg.precision.name == "nvfp4" and cfg.precision.blocks.recipe == "nvfp4" and cfg.regime.name == "finetune"
+    stress = expand("stress", "precision=nvfp4", "regime=plain", "strategy=native,none")
+    assert {(j["regime"], j["strategy"]) for j in stress} == {("plain", "native"), ("plain", "none")}
 
 
 def test_compare_tiny_is_the_stress_grid() -> None:
