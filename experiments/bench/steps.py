@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -78,7 +79,7 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[
                 s.update()
 
             t = paired_ms({"plain": lambda: train_step(model, plain),
-                           "hooked": lambda: train_step(attached_model, hooked)}, repeats)
+                           "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=time.thread_time)
             hooked.detach()
             t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
@@ -114,7 +115,7 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
                 s.step(opts[key])
                 s.update()
 
-        t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats)
+        t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats, clock=time.thread_time)
         for key, (_, s) in copies.items():
             s.detach()
         rows += [{"strategy": label, "stats_every": k, "stats_layers": q,
@@ -137,7 +138,7 @@ def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[di
 
 def format_every(rows: list[dict[str, Any]]) -> str:
     return _table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
-                   "    rules on the MLP, blocks of 16 training steps; median ms per step; ratio: median over rounds of",
+                   "    rules on the MLP, blocks of 16 training steps; median CPU ms (thread_time) per step; ratio: median over rounds of",
                    "    attached(k, q) / plain in the same round"],
                   [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
                    ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, "x")],
@@ -173,7 +174,7 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
 def format_hooks(rows: list[dict[str, Any]]) -> str:
     return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
                    "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
-                   "    (no-op)/update, median ms; ratio: median over rounds of attached / plain in the same round"],
+                   "    (no-op)/update, median CPU ms (thread_time); ratio: median over rounds of attached / plain in the same round"],
                   [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
                    ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, "x")],
                   rows)
