@@ -22,7 +22,7 @@ COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
 COURT_PAGE ?= docs/court.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress court report reproduce bench doctor-eval replay-check warning-eval clean
+.PHONY: help setup test test-all compare compare-full stress court report reproduce bench gpu-pass doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -70,6 +70,11 @@ reproduce: setup ## Re-test the published loss-scaling claims, write docs/reprod
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
 	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md
+
+GPU_ARCH ?= 9.0
+gpu-pass: ## On a CUDA machine (torch with CUDA in .venv), <= 8 min: every gpu-marked test, then docs/bench.md
+	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 360 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/cuda tests/experiments/test_bench_gpu.py
+	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 120 $(BIN)/scalelab-bench --device cuda --out bench-gpu.json --write-docs docs/bench.md
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate

@@ -45,7 +45,7 @@ from experiments.bench.common import (NoOpOptimizer, human, make_params, make_sc
                                      restore, scaling_step)
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
-__all__ = ["DTYPES", "DEFAULT_STATS_SIZES", "DEFAULT_STEP_SIZES", "DEFAULT_DTYPES", "QUICK", "DEFAULT_DOCS",
+__all__ = ["REGENERATE", "DTYPES", "DEFAULT_STATS_SIZES", "DEFAULT_STEP_SIZES", "DEFAULT_DTYPES", "QUICK", "DEFAULT_DOCS",
     "L2_FLUSH_BYTES", "LEAD_CYCLES", "STATS_CALLS", "STATS_LABELS", "GpuOptions", "parse_dtypes",
     "gpu_options", "gbps", "time_rounds", "l2_flush", "torch_unscale_supports", "bench_stats_pass",
     "bench_steps", "gpu_info", "run", "format_stats_table", "format_steps_table", "format_markdown",
@@ -325,8 +325,23 @@ def format_markdown(result: dict[str, Any]) -> str:
         "",
         format_steps_table(result["overhead"]),
         "",
+        *REGENERATE,
     ]
     return "\n".join(lines)
+
+
+REGENERATE = [
+    "## How to regenerate",
+    "",
+    "On a CUDA machine with a CUDA build of torch in `.venv` (`make setup TORCH_SPEC=torch`), one command "
+    "runs the GPU pass in at most 8 minutes: `make gpu-pass` (each part under its own `timeout`: the "
+    "extension built for `GPU_ARCH` (9.0, an H100 or H200, by default) and every `gpu`-marked test "
+    "(`pytest -m gpu tests/cuda tests/experiments/test_bench_gpu.py`: the statistics, update and "
+    "layer-boundary kernels against their CPU twins and references, none syncing with the host) in 6 "
+    "minutes, then `scalelab-bench --device cuda --write-docs docs/bench.md` in 2, which rewrites this page).",
+    "",
+]
+"""The page's last section: the one command of the GPU pass (``make gpu-pass``)."""
 
 
 def write_page(result: dict[str, Any], path: Path) -> None:

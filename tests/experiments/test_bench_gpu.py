@@ -161,3 +161,17 @@ def test_gpu_bench_smoke(tmp_path):
     assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in data["overhead"] if r["name"] == "GradScaler")
     assert data["meta"]["device"] == "cuda" and data["meta"]["gpu"]
     assert page.read_text(encoding="utf-8") == bench_gpu.format_markdown(data)
+
+
+def test_the_page_names_the_gpu_pass_and_the_makefile_runs_it_within_8_minutes():
+    """docs/bench.md (and every page the generator writes) ends with the one command of the GPU
+    pass; the Makefile's ``gpu-pass`` runs the gpu-marked tests and the bench under timeouts that
+    sum to at most 8 minutes."""
+    root = Path(__file__).resolve().parents[2]
+    assert bench_gpu.format_markdown(made_up_result()).endswith("\n".join(["", *bench_gpu.REGENERATE]))
+    assert (root / "docs" / "bench.md").read_text(encoding="utf-8").endswith("\n".join(["", *bench_gpu.REGENERATE]))
+    make = (root / "Makefile").read_text(encoding="utf-8")
+    recipe = make.split("\ngpu-pass:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert "-m gpu tests/cuda tests/experiments/test_bench_gpu.py" in recipe[0]
+    assert "scalelab-bench --device cuda" in recipe[1] and "--write-docs docs/bench.md" in recipe[1]
+    assert sum(int(line.split("timeout ", 1)[1].split()[0]) for line in recipe) <= 8 * 60
