@@ -34,36 +34,38 @@ __all__ = ["EVERY", "HOOK_MODELS", "bench_every", "bench_hooks", "bench_fused", 
            "format_hooks"]
 
 
-def _mlp() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _mlp(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     """The 8 x 512 MLP (batch 256, MSE): its 9 linear layers are its groups/boundaries."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
                                 torch.nn.Linear(512, 1))
-    x, y = torch.randn(256, 512), torch.randn(256, 1)
-    return model, lambda m: F.mse_loss(m(x), y)
+    x, y = torch.randn(256, 512).to(device), torch.randn(256, 1).to(device)
+    return model.to(device), lambda m: F.mse_loss(m(x), y)
 
 
-def _gpt() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _gpt(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     """The character GPT of ``experiments.workloads.models`` (4 blocks of width 128, batch 16 x 64
     tokens, next-token cross-entropy): boundaries ``embed``, ``blocks.0..3``, ``ln_f``, ``head``."""
     torch.manual_seed(0)
     model = GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    idx = torch.randint(0, 256, (16, 65))
+    idx = torch.randint(0, 256, (16, 65)).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
-    return model, lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+    return model.to(device), lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
 
 
 HOOK_MODELS = {"mlp": _mlp, "gpt": _gpt}
 """Section (c)'s models: name -> (model, its loss)."""
 
 
-def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[dict[str, Any]]:
+def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: str = "cpu",
+                clock: Callable[[], float] = time.thread_time) -> list[dict[str, Any]]:
     """Per model, two copies, one with the strategy attached, timed round by round: a training
     step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
-    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
+    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics). ``device``
+    and ``clock``: the GPU section passes ``"cuda"`` and a clock that synchronises first."""
     rows = []
     for model_name in models:
-        model, loss_of = HOOK_MODELS[model_name]()
+        model, loss_of = HOOK_MODELS[model_name](device)
         for label, kw in HOOKED.items():
             name = "layerwise" if label.startswith("layerwise") else label
             attached_model = copy.deepcopy(model)
@@ -79,7 +81,7 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[
                 s.update()
 
             t = paired_ms({"plain": lambda: train_step(model, plain),
-                           "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=time.thread_time)
+                           "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=clock)
             hooked.detach()
             t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
