@@ -25,7 +25,7 @@ COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
 COURT_PAGE ?= docs/court.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress court report reproduce bench doctor-eval replay-check warning-eval clean
+.PHONY: help setup test test-all compare compare-full stress court report reproduce bench gpu-pass stats-schedule doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -74,6 +74,16 @@ reproduce: setup ## Re-test the published loss-scaling claims, write docs/reprod
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
 	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md
+
+stats-schedule: setup ## stats_every / stats_layers against k=1, all layers, paired by seed (39 runs): docs/stats-schedule.md
+	rm -rf runs/stats_schedule
+	/usr/bin/time -f "%e s wall" -o runs/stats_schedule.time sh -c 'OMP_NUM_THREADS=1 $(BIN)/scalelab-train -m +experiment=stats_schedule hydra.sweep.dir=runs/stats_schedule && OMP_NUM_THREADS=1 $(BIN)/scalelab-train -m +experiment=stats_schedule strategy=underflow_target,max_ema "strategy.stats_every=choice(1)" strategy.stats_layers=0.5,0.25 hydra.sweep.dir=runs/stats_schedule'
+	$(BIN)/python -m analysis.stats_schedule runs/stats_schedule --cost "39 runs, $$(cat runs/stats_schedule.time) on $$(nproc) CPUs (make stats-schedule)"
+
+GPU_ARCH ?= 9.0
+gpu-pass: ## On a CUDA machine (torch with CUDA in .venv), <= 8 min: every gpu-marked test, then docs/bench.md
+	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 360 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/cuda tests/experiments/test_bench_gpu.py
+	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 120 $(BIN)/scalelab-bench --device cuda --out bench-gpu.json --write-docs docs/bench.md
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate

@@ -20,7 +20,8 @@
 //   tolerance_update_         strategies.tolerance.tolerance_update_
 //   adaloss_step_             strategies.adaloss.adaloss_step_ (layerwise, rule adaloss)
 //   record_step_              strategies.state.record_step_ (every rule's update ends with it)
-// and count_fraction (strategies.stats.count_fraction: a zero or underflow fraction).
+// and count_fraction (strategies.stats.count_fraction: a zero or underflow fraction), and the
+// layer-boundary reads (cpu/boundary_cpu.cpp): boundary_rescale, grad_extremes, exponent_histogram.
 #include <torch/library.h>
 
 TORCH_LIBRARY(scalelab, m) {
@@ -100,4 +101,11 @@ TORCH_LIBRARY(scalelab, m) {
       "float? min_scale, float? max_scale) -> ()");
   // The fraction of a step's entries counted in counts (+ more): one op instead of six per step.
   m.def("count_fraction(Tensor numel, Tensor counts, Tensor? more=None) -> Tensor");
+  // A layer boundary's one read of an activation gradient (strategies/boundaries.py): grad x
+  // ratios.flatten()[index] and grad's [min, max] (float64), as group_links.times + stats.extremes.
+  m.def("boundary_rescale(Tensor grad, Tensor ratios, int index) -> (Tensor, Tensor)");
+  // [min, max] of grad (float64; NaN when any entry is NaN), as stats.extremes.
+  m.def("grad_extremes(Tensor grad) -> Tensor");
+  // Counts of floor(log2|g|) over the nonzero finite entries, int64[280], as stats.exponent_histogram.
+  m.def("exponent_histogram(Tensor grad) -> Tensor");
 }

@@ -12,9 +12,8 @@ telemetry, the statistics pass (:mod:`strategies.stats`) and its distributed red
 is the state machine (``scale``, ``unscale_``, ``step``, ``update``); GradScaler's accessors
 (``get_scale``, the getters and setters, ``state_dict``) are :mod:`strategies.gradscaler_api`'s.
 
-No method reads a tensor on the host except GradScaler's own ``step()`` skip decision
-(``found_inf.item()``; none with fused optimizers), ``get_scale()`` and ``state_dict()``.
-A rule's ``fault`` state (see :class:`Strategy`) is read in that same ``step()`` read.
+No method reads a tensor on the host except GradScaler's own ``step()`` skip decision (``found_inf.item()``;
+none with fused optimizers, and a rule's ``fault`` state in that read), ``get_scale()`` and ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -74,12 +73,13 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
       gathered even with ``track_stats=False``; a rule that reads them without declaring it gets
       ``stats=None`` there and fails the contract tests);
     * ``per_group`` — one scale per layer group (``scale``/``growth_tracker`` of shape ``[G]``);
-      ``pow2_scales`` — a manual ``update(new_scale)`` is rounded down to a power of two.
+      ``pow2_scales`` — a manual ``update(new_scale)`` is rounded down to a power of two;
+      ``reads_scaled`` — its ``on_unscale`` also takes still-scaled gradients (a fused optimizer's).
 
     and implements the hooks, of which only the first is required:
 
     * ``update_(found_inf, stats)`` — the rule, in place on ``self.state`` (no host sync);
-    * ``on_unscale(optimizer)`` — after an optimizer's gradients were unscaled (probes);
+    * ``on_unscale(optimizer)`` — after an optimizer's gradients were unscaled or read (probes);
     * ``attach(model)`` / ``detach()`` — per-layer rules install / remove their hooks;
     * ``before_scale(outputs)`` / ``after_scale(scaled)`` — around :meth:`scale`'s multiplication
       (an attached rule reads the loss's graph, then marks what it returns);
@@ -101,6 +101,7 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
     needs_stats: ClassVar[bool] = False
     per_group: ClassVar[bool] = False
     pow2_scales: ClassVar[bool] = False
+    reads_scaled: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Give the subclass an ``__init__`` whose ``__signature__`` is its ``Params``'."""
@@ -296,15 +297,12 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
         """Unscale (unless :meth:`unscale_` was called) and run ``optimizer.step(*args, **kwargs)``
         unless the gradients hold Inf/NaN, in which case the step is skipped and parameters and
         optimizer state stay bit-identical. Returns what ``optimizer.step`` returned (or None).
-
         The skip decision reads ``found_inf`` on the host (GradScaler's one sync), except for
         optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD), handled as
         GradScaler does: one whose ``step`` takes ``grad_scaler`` receives the strategy; others
         receive ``found_inf`` (they skip on the device) and, when :meth:`unscale_` was not called,
-        ``grad_scale`` — their fused kernel unscales, the strategy only reads the gradients for
-        its statistics (no second write; fp16 gradients accepted, as GradScaler). Per-group rules
-        and rules with an ``on_unscale`` probe unscale in their own pass first.
-        """
+        ``grad_scale`` — their fused kernel unscales, the strategy (probes: ``reads_scaled``) only
+        reads the gradients (no write; fp16 accepted, as GradScaler); per-group rules unscale."""
         if not self.params.enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -323,8 +321,10 @@ class Strategy(GradScalerAccessors, torch.amp.GradScaler):
             opt_state["stage"] = OptState.STEPPED
             return retval
         ready = opt_state["stage"] is OptState.READY
-        if ready and fused and not self.per_group and type(self).on_unscale is Strategy.on_unscale:
+        reads = self.reads_scaled or type(self).on_unscale is Strategy.on_unscale
+        if ready and fused and not self.per_group and reads:
             self._gather(optimizer, unscale=False)
+            self.on_unscale(optimizer)  # the stage stays READY: the gradients it reads are scaled
         elif ready:
             self.unscale_(optimizer)
             ready = False

@@ -318,8 +318,9 @@ class Boundaries:
         i = len(trace.calls)
         trace.calls.append(module)
         inputs = tensors_in(args if not kwargs else (args, kwargs))
-        reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
         users = self._outer(self._users, module, trace)
+        if not any(u.on_link is not None for u in users):  # else a link walk below passes every call this one stops at
+            reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
         for u in users:
             if u.on_call is not None:
                 _timed(u, u.on_call, trace, i)

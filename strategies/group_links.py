@@ -42,9 +42,11 @@ from typing import Any, Sequence
 import torch
 
 from strategies.boundaries import Trace
+from strategies import kernels
 from strategies.graph_walk import reached, tensors_in
+from strategies.stats import extremes
 
-__all__ = ["GroupLinks", "Links", "StraightThrough", "Unscale", "link", "rescale", "times", "unscale"]
+__all__ = ["GroupLinks", "Links", "StraightThrough", "Unscale", "link", "rescale", "rescale_read", "times", "unscale"]
 
 
 def times(g: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -228,6 +230,17 @@ def rescale(links: Links, grad: torch.Tensor, ratio: torch.Tensor) -> torch.Tens
         links.double = True
         return StraightThrough.apply(grad, ratio)
     return times(grad, ratio)
+
+
+def rescale_read(links: Links, grad: torch.Tensor, ratios: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad * r, extremes(grad))`` with ``r = ratios.flatten()[index]``: a boundary crossing's
+    rescale (:func:`rescale`) and its overflow check (:func:`strategies.stats.extremes` of the
+    gradient as it arrived) in one read of ``grad`` (``torch.ops.scalelab.boundary_rescale``)
+    where it applies (:func:`strategies.kernels.boundary_applies`: not in a create_graph
+    backward), else the two in plain torch; the same values either way (tested)."""
+    if not torch.is_grad_enabled() and kernels.boundary_applies("boundary_rescale", grad):
+        return torch.ops.scalelab.boundary_rescale(grad, ratios, index)
+    return rescale(links, grad, ratios.view(-1)[index]), extremes(grad)
 
 
 def unscale(grads: Sequence[torch.Tensor | None], index: list[int], scales: torch.Tensor,

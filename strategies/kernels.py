@@ -35,6 +35,7 @@ from strategies.kernel_build import MIN_CAPABILITY
 
 __all__ = [
     "available",
+    "boundary_applies",
     "check_update_args",
     "dispatch",
     "f32_of_double",
@@ -173,8 +174,16 @@ def _register_fakes() -> None:
                             more: torch.Tensor | None = None) -> torch.Tensor:
         return numel.new_empty((), dtype=torch.float32)
 
+    def boundary_rescale_fake(grad: torch.Tensor, ratios: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
+        return torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty((2,), dtype=torch.float64)
+
+    fakes = {"boundary_rescale": boundary_rescale_fake,
+             "grad_extremes": lambda grad: grad.new_empty((2,), dtype=torch.float64),
+             "exponent_histogram": lambda grad: grad.new_empty((280,), dtype=torch.int64)}
     for name in op_names():
-        if name == "unscale_and_stats":
+        if name in fakes:
+            torch.library.register_fake(f"scalelab::{name}", fakes[name])
+        elif name == "unscale_and_stats":
             torch.library.register_fake("scalelab::unscale_and_stats", unscale_and_stats_fake)
         elif name == "count_fraction":
             torch.library.register_fake("scalelab::count_fraction", count_fraction_fake)
@@ -293,6 +302,19 @@ def update_applies(op: str, tensors: Sequence[torch.Tensor]) -> bool:
 
 
 _RULE_DTYPES = (torch.float32, torch.int32, torch.int64)
+_BOUNDARY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def boundary_applies(op: str, grad: torch.Tensor) -> bool:
+    """Whether the layer-boundary read ``torch.ops.scalelab.<op>`` (``boundary_rescale``,
+    ``grad_extremes``, ``exponent_histogram``: ``cuda/cpu/boundary_cpu.cpp``) runs for ``grad``: a
+    plain float32/float16/bfloat16 tensor that does not require grad (a create_graph backward
+    differentiates the torch reference; FakeTensors and other subclasses take it too) on a device
+    with the op. Host metadata only."""
+    if type(grad) is not torch.Tensor or grad.dtype not in _BOUNDARY_DTYPES or grad.requires_grad:
+        return False
+    dev = grad.device
+    return _op_on(op, dev.type) and (dev.type != "cuda" or _cuda_on(dev.index))
 _FOREIGN = re.compile(
     r"^scalelab: \w+ (is on \S+ but the scale is on|must be contiguous|must be (Float|Int|Long), got)")
 """The op's own messages (cuda/cpu/update_cpu.cpp ``check``) for a tensor it does not take, checked

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, List, Optional, Sequence
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from strategies import kernels
 from strategies import validation as v
@@ -121,6 +122,7 @@ class ReferenceProbe:
     rule does instead."""
 
     probe_fallback: ClassVar[str] = "its rule without the probe"
+    reads_scaled: ClassVar[bool] = True  # a fused optimizer's still-scaled gradients: the norm x 1/S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -272,6 +274,9 @@ class ReferenceProbe:
             norms = torch._foreach_norm([g if not g.is_sparse else g._values() for g in mine], 2,
                                         dtype=torch.float32)
             sq = torch.stack([n.to(dev) for n in norms]).square().sum()
+            if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:  # read for a fused step
+                inv = self.state.scale.double().reciprocal().float()  # as the pass: exact for a power of two
+                sq = sq * (inv * inv)
         self._mp_sumsq = sq if self._mp_sumsq is None else self._mp_sumsq + sq
 
     def probe_sums(self) -> tuple[bool, torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from strategies.formats import FP16_MIN_NORMAL
 
 __all__ = [
     "E_BINS", "E_LO", "GradStats", "bin_counts", "count_fraction", "count_fraction_reference", "exponent_histogram",
-    "extremes", "nonfinite", "fold_histogram", "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
+    "extremes", "extremes_reference", "exponent_histogram_reference", "nonfinite", "fold_histogram", "unscale_and_check", "unscale_and_stats", "unscale_and_stats_reference", "zeros_and_subnormals",
 ]
 
 
@@ -119,8 +119,18 @@ E_LO, E_BINS = -150, 280  # exponent bins floor(log2|g|) = -150 .. 129 cover eve
 
 def extremes(g: torch.Tensor) -> torch.Tensor:
     """``[min, max]`` of ``g``'s entries in float64 (NaN propagates; ``[0, 0]`` when empty), on
-    ``g``'s device, no sync: two vectorised reductions that :func:`nonfinite` and AdaLoss's
-    abs-max (:func:`strategies.rules.adaloss.record_`) share at a layer boundary."""
+    ``g``'s device, no sync, that :func:`nonfinite` and AdaLoss's abs-max
+    (:func:`strategies.rules.adaloss.record_`) share at a layer boundary: one pass of
+    ``torch.ops.scalelab.grad_extremes`` where it applies (:func:`strategies.kernels.boundary_applies`),
+    else :func:`extremes_reference`."""
+    g = g.detach()
+    if kernels.boundary_applies("grad_extremes", g):
+        return torch.ops.scalelab.grad_extremes(g)
+    return extremes_reference(g)
+
+
+def extremes_reference(g: torch.Tensor) -> torch.Tensor:
+    """:func:`extremes` in plain torch: two vectorised reductions (the oracle of the op)."""
     if g.numel() == 0:  # host metadata, no sync
         return torch.zeros(2, dtype=torch.float64, device=g.device)
     g = g.detach()
@@ -137,7 +147,17 @@ def nonfinite(ext: torch.Tensor) -> torch.Tensor:
 
 
 def exponent_histogram(g: torch.Tensor) -> torch.Tensor:
-    """Counts of ``floor(log2|g|)`` over the nonzero finite entries of ``g`` (bin i: exponent E_LO + i).
+    """Counts of ``floor(log2|g|)`` over the nonzero finite entries of ``g`` (bin i: exponent
+    E_LO + i), int64 ``[E_BINS]``: one pass of ``torch.ops.scalelab.exponent_histogram`` where it
+    applies (:func:`strategies.kernels.boundary_applies`), else :func:`exponent_histogram_reference`."""
+    g = g.detach()
+    if kernels.boundary_applies("exponent_histogram", g):
+        return torch.ops.scalelab.exponent_histogram(g)
+    return exponent_histogram_reference(g)
+
+
+def exponent_histogram_reference(g: torch.Tensor) -> torch.Tensor:
+    """:func:`exponent_histogram` in plain torch (the oracle of the op).
 
     Read off the bits, elementwise, and one count; no boolean indexing (which reads its length on
     the host: a sync on CUDA). Every float32 value, subnormals included, is a *normal* float64,

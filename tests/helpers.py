@@ -152,10 +152,11 @@ def make_strategy(name: str, kw: dict, model: torch.nn.Module | None, reference:
     return s
 
 
-# Rules that unscale in their own pass before a fused optimizer steps (per-group scales, probes):
-# such an optimizer gets grad_scale None and unscaled gradients, as from GradScaler after unscale_().
-PROBING_OR_PER_GROUP = {n for n in strategies.available() if strategies.get(n).per_group
-                        or strategies.get(n).on_unscale is not strategies.Strategy.on_unscale}
+# Rules that unscale in their own pass before a fused optimizer steps (per-group scales; an
+# on_unscale hook that does not take still-scaled gradients): such an optimizer gets grad_scale None
+# and unscaled gradients, as from GradScaler after unscale_(). The others (probes included) only read.
+UNSCALES_ITSELF = {n for n in strategies.available() if strategies.get(n).per_group or (
+    strategies.get(n).on_unscale is not strategies.Strategy.on_unscale and not strategies.get(n).reads_scaled)}
 
 # Rules whose scale is fixed by definition (issue 11: "a non-finite step is skipped and S does not
 # change"): where every other rule must back off, these must keep S exactly.

@@ -33,6 +33,16 @@ cudaError_t unscale_and_stats(const GradArg* grads, int64_t num_grads, const flo
                               int64_t num_groups, void* workspace, float* found_inf, float* absmax, float* sumsq,
                               int64_t* zeros, int64_t* subnormals, int64_t* numel, cudaStream_t stream);
 
+// Layer-boundary reads (boundary_kernel.cu, twins in cpu/boundary_cpu.cpp): one pass over `n`
+// dense elements of `dtype` at `in`: [min, max] into `ext` (2 doubles on the device; NaN when any
+// entry is NaN, [0, 0] when n == 0) and, when `out` is not null, out = T(float(in) * *ratio)
+// (`ratio` a device pointer). `workspace`: boundary_workspace_bytes() of device scratch.
+size_t boundary_workspace_bytes();
+cudaError_t boundary_pass(const void* in, void* out, int64_t n, int32_t dtype, const float* ratio, void* workspace,
+                          double* ext, cudaStream_t stream);
+// Counts of floor(log2|x|) over the nonzero finite entries into `hist` (int64[kExpBins], device).
+cudaError_t exponent_histogram(const void* in, int64_t n, int32_t dtype, int64_t* hist, cudaStream_t stream);
+
 // Update kernels: run a rule functor of scalelab_rules.h (device pointers + parameters) for
 // items 0..n-1, one thread per item (n = 1: one thread). Instantiated in update_kernels.cu for
 // every rule's functor.

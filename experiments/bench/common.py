@@ -112,17 +112,20 @@ class NoOpOptimizer(torch.optim.Optimizer):
         return None
 
 
-def paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0) -> dict[str, list[float]]:
+def paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Milliseconds of each call per round; every round runs each once, in a shuffled order, so
-    drift and position hit both sides of a comparison alike (as section (a))."""
+    drift and position hit both sides of a comparison alike (as section (a)). ``clock``:
+    ``time.perf_counter`` (wall), or ``time.thread_time`` (this thread's CPU time: with one torch
+    thread, the work itself, not the time other processes on a shared machine held the core)."""
     for fn in runs.values():  # warm-up
         fn()
     order, out = random.Random(seed), {k: [] for k in runs}
     for _ in range(repeats):
         for k in order.sample(list(runs), len(runs)):
-            t0 = time.perf_counter()
+            t0 = clock()
             runs[k]()
-            out[k].append(1e3 * (time.perf_counter() - t0))
+            out[k].append(1e3 * (clock() - t0))
     return out
 
 

@@ -16,7 +16,10 @@ float32 gradients, for every registered rule (and :data:`experiments.bench.commo
 ``torch.amp.GradScaler("cuda")`` and no scaling: median ms and the ratio to GradScaler. GradScaler
 and the rules sync once in ``step`` (the skip decision); the events see that as time too.
 
-Method (both): each round runs every configuration once, in a shuffled order; before each timed
+(iii) **Per-layer rules on the GPT step** — section (c) of the CPU bench on the GPU
+(:mod:`experiments.bench.gpu_hooks`): the attached rules against the plain step, synchronised host clock.
+
+Method ((i) and (ii)): each round runs every configuration once, in a shuffled order; before each timed
 call the gradients are restored from a master copy and the L2 cache is flushed (a 256 MiB
 write), outside the timed region; a pair of CUDA events brackets the call alone, behind a short
 GPU sleep so that they time the device, not the host's launches (:func:`time_rounds`). ``warmup``
@@ -43,9 +46,10 @@ import torch
 from experiments.app.records import write_text_atomic
 from experiments.bench.common import (NoOpOptimizer, human, make_params, make_scaler, paired_ratio, parse_size,
                                      restore, scaling_step)
+from experiments.bench.gpu_hooks import bench_hooks_gpu, format_hooks_table
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
-__all__ = ["DTYPES", "DEFAULT_STATS_SIZES", "DEFAULT_STEP_SIZES", "DEFAULT_DTYPES", "QUICK", "DEFAULT_DOCS",
+__all__ = ["REGENERATE", "DTYPES", "DEFAULT_STATS_SIZES", "DEFAULT_STEP_SIZES", "DEFAULT_DTYPES", "QUICK", "DEFAULT_DOCS",
     "L2_FLUSH_BYTES", "LEAD_CYCLES", "STATS_CALLS", "STATS_LABELS", "GpuOptions", "parse_dtypes",
     "gpu_options", "gbps", "time_rounds", "l2_flush", "torch_unscale_supports", "bench_stats_pass",
     "bench_steps", "gpu_info", "run", "format_stats_table", "format_steps_table", "format_markdown",
@@ -233,7 +237,7 @@ def gpu_info() -> dict[str, Any]:
 
 
 def run(opts: GpuOptions, tensors: int, names: list[str], log: Callable[[str], None]) -> dict[str, Any]:
-    """Both sections; returns ``{"stats_pass": rows, "overhead": rows}``."""
+    """The three sections; returns ``{"stats_pass": rows, "overhead": rows, "hooks": rows}``."""
     flush = l2_flush()
     stats_rows: list[dict[str, Any]] = []
     for size in opts.stats_sizes:
@@ -245,7 +249,8 @@ def run(opts: GpuOptions, tensors: int, names: list[str], log: Callable[[str], N
     for size in opts.step_sizes:
         log(f"full steps at {human(size)} parameters ...")
         step_rows += bench_steps(size, min(tensors, size), names, opts.repeats, opts.warmup, flush)
-    return {"stats_pass": stats_rows, "overhead": step_rows}
+    log("per-layer rules on the GPT step ...")
+    return {"stats_pass": stats_rows, "overhead": step_rows, "hooks": bench_hooks_gpu(opts.repeats)}
 
 
 def _cell(gbps_value: float | None, ms: float | None) -> str:
@@ -325,8 +330,28 @@ def format_markdown(result: dict[str, Any]) -> str:
         "",
         format_steps_table(result["overhead"]),
         "",
+        *(["## (iii) Per-layer rules attached vs not on the GPT step", "", "The character GPT (4 blocks of width "
+           "128, batch 16 x 64, float32): a training step with the rule attached against the same step without, "
+           "host clock with a device synchronize at both ends of each step, median ms of "
+           f"{m['repeats']} rounds; the ratio is the median over rounds of attached / plain in the same round.",
+           "", format_hooks_table(result["hooks"]), ""] if result.get("hooks") else []),
+        *REGENERATE,
     ]
     return "\n".join(lines)
+
+
+REGENERATE = [
+    "## How to regenerate",
+    "",
+    "On a CUDA machine with a CUDA build of torch in `.venv` (`make setup TORCH_SPEC=torch`), one command "
+    "runs the GPU pass in at most 8 minutes: `make gpu-pass` (each part under its own `timeout`: the "
+    "extension built for `GPU_ARCH` (9.0, an H100 or H200, by default) and every `gpu`-marked test "
+    "(`pytest -m gpu tests/cuda tests/experiments/test_bench_gpu.py`: the statistics, update and "
+    "layer-boundary kernels against their CPU twins and references, none syncing with the host) in 6 "
+    "minutes, then `scalelab-bench --device cuda --write-docs docs/bench.md` in 2, which rewrites this page).",
+    "",
+]
+"""The page's last section: the one command of the GPU pass (``make gpu-pass``)."""
 
 
 def write_page(result: dict[str, Any], path: Path) -> None:

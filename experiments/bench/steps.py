@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -33,36 +34,38 @@ __all__ = ["EVERY", "HOOK_MODELS", "bench_every", "bench_hooks", "bench_fused", 
            "format_hooks"]
 
 
-def _mlp() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _mlp(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     """The 8 x 512 MLP (batch 256, MSE): its 9 linear layers are its groups/boundaries."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())],
                                 torch.nn.Linear(512, 1))
-    x, y = torch.randn(256, 512), torch.randn(256, 1)
-    return model, lambda m: F.mse_loss(m(x), y)
+    x, y = torch.randn(256, 512).to(device), torch.randn(256, 1).to(device)
+    return model.to(device), lambda m: F.mse_loss(m(x), y)
 
 
-def _gpt() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _gpt(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     """The character GPT of ``experiments.workloads.models`` (4 blocks of width 128, batch 16 x 64
     tokens, next-token cross-entropy): boundaries ``embed``, ``blocks.0..3``, ``ln_f``, ``head``."""
     torch.manual_seed(0)
     model = GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    idx = torch.randint(0, 256, (16, 65))
+    idx = torch.randint(0, 256, (16, 65)).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
-    return model, lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+    return model.to(device), lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
 
 
 HOOK_MODELS = {"mlp": _mlp, "gpt": _gpt}
 """Section (c)'s models: name -> (model, its loss)."""
 
 
-def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[dict[str, Any]]:
+def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: str = "cpu",
+                clock: Callable[[], float] = time.thread_time) -> list[dict[str, Any]]:
     """Per model, two copies, one with the strategy attached, timed round by round: a training
     step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
-    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics)."""
+    side pays its hooks and what it gathers per step (AdaLoss: the weight statistics). ``device``
+    and ``clock``: the GPU section passes ``"cuda"`` and a clock that synchronises first."""
     rows = []
     for model_name in models:
-        model, loss_of = HOOK_MODELS[model_name]()
+        model, loss_of = HOOK_MODELS[model_name](device)
         for label, kw in HOOKED.items():
             name = "layerwise" if label.startswith("layerwise") else label
             attached_model = copy.deepcopy(model)
@@ -78,7 +81,7 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt")) -> list[
                 s.update()
 
             t = paired_ms({"plain": lambda: train_step(model, plain),
-                           "hooked": lambda: train_step(attached_model, hooked)}, repeats)
+                           "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=clock)
             hooked.detach()
             t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
@@ -114,7 +117,7 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
                 s.step(opts[key])
                 s.update()
 
-        t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats)
+        t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats, clock=time.thread_time)
         for key, (_, s) in copies.items():
             s.detach()
         rows += [{"strategy": label, "stats_every": k, "stats_layers": q,
@@ -137,7 +140,7 @@ def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[di
 
 def format_every(rows: list[dict[str, Any]]) -> str:
     return _table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
-                   "    rules on the MLP, blocks of 16 training steps; median ms per step; ratio: median over rounds of",
+                   "    rules on the MLP, blocks of 16 training steps; median CPU ms (thread_time) per step; ratio: median over rounds of",
                    "    attached(k, q) / plain in the same round"],
                   [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
                    ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, "x")],
@@ -147,16 +150,19 @@ def format_every(rows: list[dict[str, Any]]) -> str:
 def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], names: list[str],
                 repeats: int) -> list[dict[str, Any]]:
     """Per strategy: a separate unscale_() then the fused step, against the fused step unscaling
-    itself; the two share one optimizer (lr 0: the parameters never move), timed round by round."""
+    itself (the strategy only reads the gradients: every rule but the per-group ones), and
+    ``torch.amp.GradScaler``'s own fused path in the same rounds (``vs_gradscaler``: median over
+    rounds of fused / GradScaler's fused); all share one optimizer (lr 0: the parameters never move)."""
     opt = torch.optim.AdamW(params, lr=0.0, fused=True)
     loss = torch.ones((), requires_grad=True)
+    reference = torch.amp.GradScaler("cpu")
     rows = []
     for name in names:
         if name == "none":
             continue
         scaler = make_scaler(name)
 
-        def run(unscale_first: bool) -> None:
+        def run(scaler: Any, unscale_first: bool) -> None:
             torch._foreach_copy_([p.grad for p in params], master)
             scaler.scale(loss)
             if unscale_first:
@@ -164,24 +170,27 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
             scaler.step(opt)
             scaler.update()
 
-        t = paired_ms({"separate": lambda: run(True), "fused": lambda: run(False)}, repeats)
+        t = paired_ms({"separate": lambda: run(scaler, True), "fused": lambda: run(scaler, False),
+                       "gradscaler": lambda: run(reference, False)}, repeats)
         t_sep, t_fused = statistics.median(t["separate"]), statistics.median(t["fused"])
-        rows.append({"strategy": name, "unscale_then_step_ms": t_sep, "fused_ms": t_fused, "saved_ms": t_sep - t_fused})
+        rows.append({"strategy": name, "unscale_then_step_ms": t_sep, "fused_ms": t_fused, "saved_ms": t_sep - t_fused,
+                     "vs_gradscaler": paired_ratio(t["fused"], t["gradscaler"])})
     return rows
 
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
     return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
                    "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
-                   "    (no-op)/update, median ms; ratio: median over rounds of attached / plain in the same round"],
+                   "    (no-op)/update, median CPU ms (thread_time); ratio: median over rounds of attached / plain in the same round"],
                   [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
                    ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, "x")],
                   rows)
 
 
 def format_fused(rows: list[dict[str, Any]], size: str) -> str:
-    lines = [f"(d) AdamW(fused=True) at {size}: unscale_() then step vs the optimizer unscaling itself, median ms",
-             "", f"  {'strategy':<20}{'unscale_+step':>15}{'fused':>10}{'saved':>10}", "  " + "-" * 55]
-    lines += [f"  {r['strategy']:<20}{r['unscale_then_step_ms']:>15.3f}{r['fused_ms']:>10.3f}{r['saved_ms']:>10.3f}"
-              for r in rows]
-    return "\n".join(lines)
+    return _table([f"(d) AdamW(fused=True) at {size}: unscale_() then step vs the optimizer unscaling itself (the strategy",
+                   "    only reads the gradients), median ms; vs GradScaler: median over rounds of fused / GradScaler's",
+                   "    own fused path in the same round"],
+                  [("strategy", "strategy", 20, "s"), ("unscale_+step", "unscale_then_step_ms", 15, ".3f"),
+                   ("fused", "fused_ms", 10, ".3f"), ("saved", "saved_ms", 10, ".3f"),
+                   ("vs GradScaler", "vs_gradscaler", 15, "x")], rows)

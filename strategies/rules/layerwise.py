@@ -257,10 +257,10 @@ class LayerwiseStrategy(Strategy):
             return None
         a, b, trace_links = links.ends(trace, i)
         adaloss_rule = self.params.rule == "adaloss"
-        ext = extremes(grad) if adaloss_rule or a != b else None  # one min/max read for both uses
+        out, ext = self._convert(trace_links, a, b, grad) if a != b else (None, extremes(grad) if adaloss_rule else None)
         if adaloss_rule and stats_step(self):  # the gradient arriving at group a's output, unscaled
             self._seen.append((a, b, adaloss.observe(grad, ext)))
-        return None if a == b else self._convert(trace_links, a, b, grad, ext)
+        return out
 
     def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
         """Before a call of group b: an argument whose gradient must arrive at another group a's
@@ -269,28 +269,30 @@ class LayerwiseStrategy(Strategy):
         if found is None:
             return None
         a, b, trace_links = found
-        return fence(t, lambda g: self._convert(trace_links, a, b, g) if self._acting(links) else None)
+        return fence(t, lambda g: self._convert(trace_links, a, b, g)[0] if self._acting(links) else None)
 
-    def _convert(self, trace_links: group_links.Links, a: int, b: int, grad: torch.Tensor,
-                 ext: torch.Tensor | None = None) -> torch.Tensor:
-        """A gradient at group b's scale entering group a's side: x S_a / S_b; a non-finite one
-        marks a contaminated and b as having emitted it (overflow attribution; ``ext``: its
-        :func:`strategies.stats.extremes` when already read)."""
-        self._crossings.append((a, b, extremes(grad) if ext is None else ext))
+    def _convert(self, trace_links: group_links.Links, a: int, b: int,
+                 grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gradient at group b's scale entering group a's side: x S_a / S_b, and its
+        :func:`strategies.stats.extremes`, in one read (:func:`strategies.group_links.rescale_read`);
+        a non-finite one marks a contaminated and b as having emitted it (overflow attribution)."""
         if torch.is_grad_enabled():  # create_graph: a gradient penalty differentiates this backward
             self._unscale_pending = True
-        return group_links.rescale(trace_links, grad, self._ratio(a, b))
+        ratios = self._ratio_table()
+        out, ext = group_links.rescale_read(trace_links, grad, ratios, a * ratios.shape[1] + b)
+        self._crossings.append((a, b, ext))
+        return out, ext
 
-    def _ratio(self, a: int, b: int) -> torch.Tensor:
-        """``S_a / S_b``, from the ratios of every pair computed once per value of the scales
-        (one division per update instead of three ops per boundary crossing). The value is known
-        by the scale tensor, the update count (the update ops write it without bumping its
-        version) and its version (a Python write: ``load_state_dict``, ``update(new_scale)``)."""
+    def _ratio_table(self) -> torch.Tensor:
+        """``S_a / S_b`` for every pair ``[a, b]``, computed once per value of the scales (one
+        division per update instead of three ops per boundary crossing). The value is known by
+        the scale tensor, the update count (the update ops write it without bumping its version)
+        and its version (a Python write: ``load_state_dict``, ``update(new_scale)``)."""
         scale = self.state.scale
         key = (self.updates, scale._version)
         if self._ratios is None or self._ratios[0] is not scale or self._ratios[1] != key:
             self._ratios = (scale, key, scale[:, None] / scale[None, :])
-        return self._ratios[2][a, b]
+        return self._ratios[2]
 
     def _flush_crossings(self) -> None:
         """The overflow attribution of the crossings since the last flush, in one go: a non-finite

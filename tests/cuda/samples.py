@@ -118,6 +118,13 @@ def _stats(dtype: torch.dtype, groups: bool) -> tuple[Any, ...]:
     return (grads, torch.tensor(0.375), [], 1)
 
 
+def _boundary(dtype: torch.dtype, rescale: bool, special: str = "zero") -> tuple[Any, ...]:
+    """One activation gradient (a strided one: the op reads a dense copy), and for the rescale a
+    3 x 3 ratio table and the flat index of one entry."""
+    (g,) = make_grads([1000], dtype, seed=5, specials=(special, "fp16_min_sub"), layouts=("strided",))
+    return (g, torch.tensor([[1.0, 0.5, 2.0**-7], [2.0, 1.0, 0.25], [2.0**7, 4.0, 1.0]]), 5) if rescale else (g,)
+
+
 SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
     "native_update_": [lambda: _native(0.0, 1), lambda: _native(1.0, 1), lambda: _native(1.0, 3)],
     "max_ema_update_": [lambda: _max_ema(1, 0.0, False, True), lambda: _max_ema(4, 0.0, False, False),
@@ -144,6 +151,10 @@ SAMPLES: dict[str, list[Callable[[], tuple[Any, ...]]]] = {
                      lambda: _record_step(3, 2.0, (0.1, 1e-3))],
     "count_fraction": [lambda: _count_fraction(1, False), lambda: _count_fraction(3, True),
                        lambda: (torch.zeros(2, dtype=I64), torch.zeros(2, dtype=I64), None)],
+    "boundary_rescale": [lambda: _boundary(torch.float32, True), lambda: _boundary(torch.float16, True, "inf"),
+                         lambda: _boundary(torch.bfloat16, True)],
+    "grad_extremes": [lambda: _boundary(torch.float32, False, "-inf"), lambda: _boundary(torch.float16, False)],
+    "exponent_histogram": [lambda: _boundary(torch.float32, False), lambda: _boundary(torch.bfloat16, False, "inf")],
     "unscale_and_stats": [lambda: _stats(torch.float32, False), lambda: _stats(torch.float16, True),
                           lambda: _stats(torch.bfloat16, True)],
 }

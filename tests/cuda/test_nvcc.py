@@ -79,13 +79,32 @@ def test_update_ops_cuda_path_links(tmp_path: Path):
                           "-arch=sm_80"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
 
-    def symbols(path: Path, kinds: str) -> set[str]:
-        out = subprocess.run(["nm", str(path)], capture_output=True, text=True, check=True).stdout
-        return {ln.split()[-1] for ln in out.splitlines() if ln.split()[-2:-1] and ln.split()[-2] in kinds}
-
-    needed = {sym for sym in symbols(obj, "U") if "launch_rule" in sym}
+    needed = {sym for sym in _symbols(obj, "U") if "launch_rule" in sym}
     assert len(needed) >= 9, needed  # one per rule
-    assert needed <= symbols(cu_obj, "TtWw"), needed - symbols(cu_obj, "TtWw")
+    assert needed <= _symbols(cu_obj, "TtWw"), needed - _symbols(cu_obj, "TtWw")
+
+
+def _symbols(path: Path, kinds: str) -> set[str]:
+    out = subprocess.run(["nm", str(path)], capture_output=True, text=True, check=True).stdout
+    return {ln.split()[-1] for ln in out.splitlines() if ln.split()[-2:-1] and ln.split()[-2] in kinds}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm not found")
+def test_boundary_ops_cuda_path_links(tmp_path: Path):
+    """The layer-boundary ops' CUDA path (cpu/boundary_cpu.cpp built with CUDA) compiles, and
+    every launcher it calls is defined in boundary_kernel.cu."""
+    obj = tmp_path / "boundary_ops.o"
+    res = _host_compile_with_cuda(tmp_path, "cpu/boundary_cpu.cpp", "-c", "-O0", "-o", str(obj))
+    assert res.returncode == 0, res.stderr[-4000:]
+    cu_obj = tmp_path / "boundary_kernel.o"
+    res = subprocess.run([NVCC, "-c", str(kernel_build.source_dir() / "kernels" / "boundary_kernel.cu"), "-o",
+                          str(cu_obj), "-I", str(kernel_build.source_dir() / "include"), "-arch=sm_80"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    needed = {sym for sym in _symbols(obj, "U") if "scalelab4cuda" in sym}
+    assert len(needed) == 3, needed  # boundary_pass, boundary_workspace_bytes, exponent_histogram
+    assert needed <= _symbols(cu_obj, "T"), needed - _symbols(cu_obj, "T")
 
 
 def test_stats_kernel_geometry_in_ptx(tmp_path: Path):

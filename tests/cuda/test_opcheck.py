@@ -16,7 +16,8 @@ CASES = [(op, k) for op, makers in SAMPLES.items() for k in range(len(makers))]
 def test_samples_cover_every_op(ops):
     """Every op the library defines has opcheck cases, and every update op a Python twin (a new
     op without them fails here)."""
-    assert set(kernels.op_names()) == set(SAMPLES) == {"unscale_and_stats", "count_fraction", *TWINS}
+    assert set(kernels.op_names()) == set(SAMPLES) == {"unscale_and_stats", "count_fraction", "boundary_rescale", "grad_extremes",
+                                                                  "exponent_histogram", *TWINS}
 
 
 @pytest.mark.parametrize("op,case", CASES, ids=[f"{op}-{k}" for op, k in CASES])

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.bench import cli as bench, gpu as bench_gpu
+from experiments.bench import cli as bench, gpu as bench_gpu, steps as bench_steps
+from experiments.bench.common import HOOKED
 
 
 def options(*argv: str) -> bench_gpu.GpuOptions:
@@ -161,3 +162,42 @@ def test_gpu_bench_smoke(tmp_path):
     assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in data["overhead"] if r["name"] == "GradScaler")
     assert data["meta"]["device"] == "cuda" and data["meta"]["gpu"]
     assert page.read_text(encoding="utf-8") == bench_gpu.format_markdown(data)
+
+
+def test_the_page_names_the_gpu_pass_and_the_makefile_runs_it_within_8_minutes():
+    """docs/bench.md (and every page the generator writes) ends with the one command of the GPU
+    pass; the Makefile's ``gpu-pass`` runs the gpu-marked tests and the bench under timeouts that
+    sum to at most 8 minutes."""
+    root = Path(__file__).resolve().parents[2]
+    assert bench_gpu.format_markdown(made_up_result()).endswith("\n".join(["", *bench_gpu.REGENERATE]))
+    assert (root / "docs" / "bench.md").read_text(encoding="utf-8").endswith("\n".join(["", *bench_gpu.REGENERATE]))
+    make = (root / "Makefile").read_text(encoding="utf-8")
+    recipe = make.split("\ngpu-pass:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert "-m gpu tests/cuda tests/experiments/test_bench_gpu.py" in recipe[0]
+    assert "scalelab-bench --device cuda" in recipe[1] and "--write-docs docs/bench.md" in recipe[1]
+    assert sum(int(line.split("timeout ", 1)[1].split()[0]) for line in recipe) <= 8 * 60
+
+
+def test_page_shows_the_per_layer_rules_on_the_gpt_step_when_timed():
+    result = made_up_result()
+    assert "(iii)" not in bench_gpu.format_markdown(result)  # a result without the section (older JSON)
+    result["hooks"] = [{"model": "gpt", "strategy": "layerwise", "plain_ms": 10.0, "attached_ms": 10.4,
+                        "extra_ms": 0.4, "ratio": 1.04}]
+    page = bench_gpu.format_markdown(result)
+    assert "## (iii) Per-layer rules attached vs not on the GPT step" in page and "median ms of 7 rounds" in page
+    assert "| gpt | layerwise | 10.000 | 10.400 | 0.400 | 1.04x |" in page
+
+
+def test_the_gpu_section_times_section_c_with_the_given_device_and_clock():
+    """bench_hooks on the CPU with a counting clock: every rule, both copies, one round each
+    (the GPU section passes device "cuda" and a synchronising clock the same way)."""
+    ticks = []
+
+    def clock() -> float:
+        ticks.append(1)
+        return float(len(ticks))
+
+    rows = bench_steps.bench_hooks(1, ("gpt",), device="cpu", clock=clock)
+    assert [r["strategy"] for r in rows] == list(HOOKED) and {r["model"] for r in rows} == {"gpt"}
+    assert len(ticks) == 2 * 2 * len(HOOKED)  # before and after each timed step, plain and attached
+    assert all(r["plain_ms"] == r["attached_ms"] == 1e3 and r["ratio"] == 1.0 for r in rows)

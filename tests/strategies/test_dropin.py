@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import strategies
-from tests.helpers import PROBING_OR_PER_GROUP, params_equal
+from tests.helpers import UNSCALES_ITSELF, params_equal
 
 NAMES = strategies.available()
 
@@ -50,8 +50,8 @@ def test_cuda_device_without_cuda_disables_with_gradscalers_warning() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_fused_optimizer_unscales_and_the_strategy_only_reads(name: str) -> None:
     """Without unscale_(), a fused AdamW gets grad_scale and found_inf, as from GradScaler: the
-    gradients reach optimizer.step still scaled (no second write over them), except for rules
-    that unscale in their own pass (per-group scales, probes)."""
+    gradients reach optimizer.step still scaled (no second write over them), probes included, except
+    for rules that unscale in their own pass (per-group scales)."""
     model, x, y = model_and_data()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     s = strategies.create(name, init_scale=2.0**6).attach(model)
@@ -63,7 +63,7 @@ def test_fused_optimizer_unscales_and_the_strategy_only_reads(name: str) -> None
     scaled = [p.grad.clone() for p in model.parameters()]
     s.step(opt)
     s.update()
-    if name in PROBING_OR_PER_GROUP:
+    if name in UNSCALES_ITSELF:
         assert seen["grad_scale"] is None and not all(torch.equal(a, b) for a, b in zip(seen["grads"], scaled))
     else:
         assert seen["grad_scale"].item() == 2.0**6 and all(torch.equal(a, b) for a, b in zip(seen["grads"], scaled))
@@ -89,7 +89,7 @@ def test_native_with_fused_adamw_equals_gradscaler(poison: str | None) -> None:
     assert sa == sb and params_equal(a, b)
 
 
-@pytest.mark.parametrize("name", sorted(set(NAMES) - PROBING_OR_PER_GROUP))
+@pytest.mark.parametrize("name", sorted(set(NAMES) - UNSCALES_ITSELF))
 def test_fp16_parameters_are_accepted_with_a_fused_optimizer_as_by_gradscaler(name: str) -> None:
     model, x, y = model_and_data(2, torch.float16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)

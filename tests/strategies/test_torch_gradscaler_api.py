@@ -24,7 +24,7 @@ import torch
 
 import strategies
 from strategies.base import _fresh_optimizer_state
-from tests.helpers import PROBING_OR_PER_GROUP, make_strategy, strategy_cases
+from tests.helpers import UNSCALES_ITSELF, make_strategy, strategy_cases
 from tests.strategies.gradscaler_cases import create_scaling_case, presets_slow, torch_rule
 
 CASES = strategy_cases()
@@ -254,7 +254,7 @@ def test_grad_scaler_pass_itself(name, kw) -> None:
     s.update()
     grad_scale, found_inf = o2.got
     assert isinstance(found_inf, torch.Tensor)
-    if name in PROBING_OR_PER_GROUP:
+    if name in UNSCALES_ITSELF:
         assert grad_scale is None
     else:
         assert isinstance(grad_scale, torch.Tensor) and grad_scale.item() == 2.0

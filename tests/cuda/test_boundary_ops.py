@@ -1,0 +1,110 @@
+"""The layer-boundary ops (``cuda/cpu/boundary_cpu.cpp``, ``cuda/kernels/boundary_kernel.cu``)
+against their plain-torch references: ``boundary_rescale`` = ``group_links.times`` + ``stats.extremes``,
+``grad_extremes`` = ``stats.extremes_reference``, ``exponent_histogram`` =
+``stats.exponent_histogram_reference``; bit for bit, every dtype, the values that matter (NaN,
+Inf, zeros, fp16 and fp32 subnormals, the largest floats), the vector body and its scalar tail,
+non-contiguous gradients. The CUDA kernels are compared with the CPU twin on a GPU (marked ``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from strategies import kernels
+from strategies.group_links import times
+from strategies.stats import exponent_histogram_reference, extremes_reference
+from tests.cuda.gpu import no_sync
+from tests.cuda.gradients import assert_bits_equal, make_grad
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 15, 16, 17, 1000, 65_537]
+SPECIALS = [(), ("nan", "zero"), ("inf", "-inf", "fp16_min_sub"), ("fp32_sub", "-zero", "huge"), ("-inf",)]
+RATIOS = torch.tensor([[1.0, 2.0**-9, 0.5], [2.0**9, 1.0, 2.0**-24], [2.0, 2.0**24, 1.0]])
+
+
+def _grad(n: int, dtype: torch.dtype, specials: tuple[str, ...], layout: str = "contiguous",
+          seed: int = 0) -> torch.Tensor:
+    return make_grad(n, dtype, torch.Generator().manual_seed(seed + n), specials, layout)
+
+
+def _same_extremes(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal [min, max] (NaN where the reference has NaN; -0.0 and 0.0 alike, as min/max may
+    return either zero: every use reads |x| or max - min)."""
+    assert a.dtype == b.dtype == torch.float64 and a.shape == b.shape == (2,)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("specials", SPECIALS, ids=lambda s: "+".join(s) or "plain")
+@pytest.mark.parametrize("n", SIZES)
+def test_boundary_rescale_is_times_and_extremes(ops, dtype, specials, n):
+    g = _grad(n, dtype, specials)
+    for index in range(RATIOS.numel()):
+        out, ext = ops.boundary_rescale(g, RATIOS, index)
+        assert_bits_equal(out, times(g, RATIOS.view(-1)[index]))
+        _same_extremes(ext, extremes_reference(g))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("specials", SPECIALS, ids=lambda s: "+".join(s) or "plain")
+@pytest.mark.parametrize("n", SIZES)
+def test_extremes_and_histogram_match_the_references(ops, dtype, specials, n):
+    g = _grad(n, dtype, specials)
+    _same_extremes(ops.grad_extremes(g), extremes_reference(g))
+    assert torch.equal(ops.exponent_histogram(g), exponent_histogram_reference(g))
+
+
+def test_histogram_bins_every_float32_exponent(ops):
+    """Every power of two float32 holds (subnormals 2^-149 .. 2^-127 included), its neighbours
+    above (the same bin) and below, and the largest float: one count each, where frexp puts it."""
+    e = torch.arange(-149, 128, dtype=torch.float64)
+    g = torch.cat([torch.exp2(e), torch.exp2(e) * 1.5, -torch.exp2(e[1:]) * (1 - 2.0**-23),
+                   torch.tensor([3.4028234663852886e38])]).float()
+    h = ops.exponent_histogram(g)
+    assert torch.equal(h, exponent_histogram_reference(g)) and int(h.sum()) == g.numel()
+    _, exp = torch.frexp(g.double())
+    assert torch.equal(h, torch.bincount((exp - 1 + 150).long(), minlength=280)[:280])
+
+
+@pytest.mark.parametrize("layout", ["strided", "column_major", "transposed_slice"])
+def test_non_contiguous_gradients(ops, layout):
+    g = _grad(999, torch.float32, ("nan",), layout)
+    out, ext = ops.boundary_rescale(g, RATIOS, 1)
+    assert_bits_equal(out, times(g, RATIOS.view(-1)[1]))
+    _same_extremes(ext, extremes_reference(g))
+    assert torch.equal(ops.exponent_histogram(g), exponent_histogram_reference(g))
+
+
+def test_refuses_an_index_outside_the_table(ops):
+    with pytest.raises(RuntimeError, match=r"index must be in \[0, 9\), got 9"):
+        ops.boundary_rescale(torch.ones(4), RATIOS, 9)
+
+
+def test_boundary_applies_only_where_the_op_is_exact(ops):
+    """Plain float32/16/bf16 tensors that do not require grad take the op; float64, a tensor in a
+    create_graph backward and a FakeTensor take the references."""
+    assert kernels.boundary_applies("boundary_rescale", torch.ones(3))
+    assert not kernels.boundary_applies("boundary_rescale", torch.ones(3, dtype=torch.float64))
+    assert not kernels.boundary_applies("grad_extremes", torch.ones(3, requires_grad=True))
+    with FakeTensorMode():
+        assert not kernels.boundary_applies("exponent_histogram", torch.ones(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("specials", SPECIALS, ids=lambda s: "+".join(s) or "plain")
+@pytest.mark.parametrize("n", [*SIZES, 3_000_001])
+def test_cuda_kernels_match_the_cpu_twin_without_a_sync(cuda_ops, dtype, specials, n):
+    g = _grad(n, dtype, specials)
+    gc, ratios = g.cuda(), RATIOS.cuda()
+    with no_sync():
+        out, ext = cuda_ops.boundary_rescale(gc, ratios, 7)
+        ext_only = cuda_ops.grad_extremes(gc)
+        hist = cuda_ops.exponent_histogram(gc)
+    ref_out, ref_ext = cuda_ops.boundary_rescale(g, RATIOS, 7)
+    assert_bits_equal(out.cpu(), ref_out)
+    _same_extremes(ext.cpu(), ref_ext)
+    _same_extremes(ext_only.cpu(), ref_ext)
+    assert torch.equal(hist.cpu(), exponent_histogram_reference(g))
