@@ -45,6 +45,7 @@ compare: setup ## Run the default comparison (natural workloads: finetune, rl, d
 	$(TRAIN) -m +experiment=$(EXPERIMENT) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 $(FP8_SWEEP) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
+	OMP_NUM_THREADS=1 $(BIN)/scalelab-replay $(OUT) --table
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT) --page $(PAGE)
 
 compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps): runs/compare_full
@@ -63,6 +64,7 @@ court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on 
 	$(BIN)/python -m analysis.court $(COURT_OUT) --page $(COURT_PAGE) $(if $(IS_QUICK),--quick)
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
+	OMP_NUM_THREADS=1 $(BIN)/scalelab-replay $(OUT) --table
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
 reproduce: setup ## Re-test the published loss-scaling claims, write docs/reproductions.md (QUICK=1: the 5-min subset)

@@ -127,6 +127,7 @@ def page(results: dict[str, Any]) -> str:
         "scalelab-replay runs/my_run --strategy native --set growth_interval=500 --set hysteresis=2",
         "scalelab-replay runs/my_run --strategy all                       # every option, one paragraph each",
         "scalelab-replay runs/my_run --strategy max_ema --json            # one object per step: step, scale, skipped",
+        "scalelab-replay runs/compare --table                             # replay.json in each failed run: the report's table",
         "```", "",
         "or in Python `strategies.tracing.replay(Trace.from_lines(open(path)), strategy)`. The text says which steps "
         "it would skip, the scale's changes, its lowest scale and whether it reaches its floor, and (from the "
