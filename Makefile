@@ -79,7 +79,7 @@ doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed 
 replay-check: setup ## Replay every strategy on other rules' traces vs real runs (2.5 min of CPU, 6 min on a loaded 2-core machine): docs/replay.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
 
-warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads (4.5-13.5 min wall, 180-212 s of CPU, on the shared 2-core machine): docs/early-warning.md
+warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads (48 runs: 3.8 min of CPU, 18.7 min wall on the shared 2-core machine): docs/early-warning.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.warning.evaluate
 
 clean: ## Remove runs, reports and caches (keeps .venv)
