@@ -76,7 +76,7 @@ bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
 
-replay-check: setup ## Replay every strategy on other rules' traces vs real runs (2.5 min of CPU, 6 min on a loaded 2-core machine): docs/replay.md
+replay-check: setup ## Replay every strategy on other rules' traces vs real runs, and on the court's runs when runs/court exists (4.1 min of CPU, 18.9 min wall on the loaded 2-core machine): docs/replay.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
 
 warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads (48 runs: 3.8 min of CPU, 18.7 min wall on the shared 2-core machine): docs/early-warning.md
