@@ -99,3 +99,18 @@ def test_bad_replay_files_are_problems_not_crashes(sweep: Path, tmp_path: Path) 
     (run / schema.REPLAY_NAME).write_text("[1, 2]")
     problems.clear()
     assert read_replays(rs.runs, problems).empty and "not an object" in problems[0]
+
+
+def test_a_run_opening_at_2_32_replays_as_the_real_runs_of_other_presets(tmp_path: Path) -> None:
+    """areal (Megatron's scaler from 2^32, growth every 5 steps) skips its first ~16 steps halving down:
+    overflows of the scale, not of the gradients. Replayed on its trace, native and verl do what their real
+    runs on the same seed did (the overflow model reads the clean steps after that opening string)."""
+    steps = ["train.steps=30", "train.log_every=5", "train.hist_every=0", "train.checkpoint_every=0", "train.eval_every=0"]
+    for name in ("areal", "native", "verl"):
+        run_tiny(tmp_path / "sweep" / name, *steps, f"strategy={name}", model="gpt")
+    table.write_tables(tmp_path / "sweep", ["native", "verl"], say=lambda _: None)
+    obj = json.loads((tmp_path / "sweep" / "areal" / schema.REPLAY_NAME).read_text())
+    assert obj["recorded"] == "areal" and obj["skipped"] >= 16
+    for row in obj["presets"]:
+        real = _trace(tmp_path / "sweep" / row["strategy"])
+        assert (row["skipped"], row["final_scale"]) == (sum(real.found_inf), real.scale[-1][0]) and row["skipped"] < 16
