@@ -49,6 +49,7 @@ compare: setup ## Run the default comparison (natural workloads: finetune, rl, d
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp8_e5m2 $(FP8_SWEEP) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=nvfp4 $(BLOCK_SWEEP) hydra.sweep.dir=$(OUT)
 	$(TRAIN) -m +experiment=$(EXPERIMENT) precision=fp32,bf16 strategy=none hydra.sweep.dir=$(OUT)
+	OMP_NUM_THREADS=1 $(BIN)/scalelab-replay $(OUT) --table
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT) --page $(PAGE)
 
 compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps): runs/compare_full
@@ -67,6 +68,7 @@ court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on 
 	$(BIN)/python -m analysis.court $(COURT_OUT) --page $(COURT_PAGE) $(if $(IS_QUICK),--quick)
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
+	OMP_NUM_THREADS=1 $(BIN)/scalelab-replay $(OUT) --table
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
 
 reproduce: setup ## Re-test the published loss-scaling claims, write docs/reproductions.md (QUICK=1: the 5-min subset; LONG=1: the claims with a horizon, at it -> docs/reproductions-long.md)
@@ -88,10 +90,10 @@ gpu-pass: ## On a CUDA machine (torch with CUDA in .venv), <= 8 min: every gpu-m
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
 
-replay-check: setup ## Replay every strategy on other rules' traces vs real runs (2.5 min of CPU, 6 min on a loaded 2-core machine): docs/replay.md
+replay-check: setup ## Replay every strategy on other rules' traces vs real runs, and on the court's runs when runs/court exists (4.1 min of CPU, 18.9 min wall on the loaded 2-core machine): docs/replay.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
 
-warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads (4.5-13.5 min wall, 180-212 s of CPU, on the shared 2-core machine): docs/early-warning.md
+warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads (48 runs: 3.8 min of CPU, 18.7 min wall on the shared 2-core machine): docs/early-warning.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.warning.evaluate
 
 clean: ## Remove runs, reports and caches (keeps .venv)

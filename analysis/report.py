@@ -14,7 +14,9 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   ``which_strategy_when.csv`` (per regime × precision: the best strategy, its paired effects
   and why; :mod:`analysis.when`), also the first table of the verdict, and
   ``cross_workload.csv`` (per strategy across workloads: AlgoPerf's score B, rliable's IQM and
-  P(improvement vs native), with intervals; :mod:`analysis.profiles`), the second;
+  P(improvement vs native), with intervals; :mod:`analysis.profiles`), the second; ``replay.csv``
+  (per failed or stalled run and preset: what the preset would have done on the run's trace, from
+  the ``replay.json`` files ``scalelab-replay SWEEP_DIR --table`` wrote; :mod:`analysis.replays`);
 * ``figures/*.png``.
 
 Prints the path of ``report.html``, and each bad record (a file or directory that could not be
@@ -41,6 +43,7 @@ from analysis.document import Document, write_document
 from analysis.findings import findings_page
 from analysis.load import RunLoadError, load_runs
 from analysis.records import STATUSES
+from analysis.replays import read_replays, replay_section
 from analysis.runset import RunSet
 from analysis.sections import (Comparison, bench_section, comparison_sections,
                                diagnosis_section, figures_section, fresh_figures, method_section,
@@ -106,6 +109,7 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     for a missing/empty directory.
     """
     rs = load_runs(list(run_dirs))
+    replays = read_replays(rs.runs, rs.problems)
     if problems is not None:
         problems.extend(rs.problems)
     out = Path(out)
@@ -127,6 +131,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, bench: str | P
     block_section(doc, rs)
     status_section(doc, rs)
     diagnosis_section(doc, rs.runs)
+    replay_section(doc, replays)
+    write_csv(replays, out / "replay.csv")
     figures_section(doc, c, out / "figures")  # after fresh_figures: the overview stays
     method_section(doc, n_boot)
     write_document(doc, out / "report.md")

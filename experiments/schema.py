@@ -13,6 +13,8 @@ A run directory holds::
                      TRACE_COLUMNS rows, one row per step (format: strategies/tracing/trace.py)
     diagnosis.json   DIAGNOSIS_FIELDS: the doctor's verdict on the failing step of a stalled, diverged
                      or scale-floor run (strategies.doctor; written by experiments.doctor.diagnosis)
+    replay.json      REPLAY_FIELDS: what every preset would have done on the trace of a failed or stalled
+                     run, one REPLAY_ROW_FIELDS row each (written by scalelab-replay SWEEP_DIR --table)
     checkpoint.pt    model, optimizer, strategy, RNG, step, config (torch.load(weights_only=True))
     run.lock         held (flock) by the one process writing this directory, for the run's lifetime
     replaced-<n>/    the records of an earlier run moved aside by a start at step 0, renamed
@@ -35,6 +37,9 @@ __all__ = [
     "LOCK_NAME",
     "REPLACED_PREFIX",
     "REPLACED_SUFFIX",
+    "REPLAY_FIELDS",
+    "REPLAY_NAME",
+    "REPLAY_ROW_FIELDS",
     "SEGMENT_KEYS",
     "EVAL_FIELDS",
     "FIDELITY_FIELDS",
@@ -57,6 +62,7 @@ SUMMARY_NAME = "summary.json"
 CHECKPOINT_NAME = "checkpoint.pt"
 DIAGNOSIS_NAME = "diagnosis.json"
 TRACE_NAME = "trace.jsonl"
+REPLAY_NAME = "replay.json"
 LOCK_NAME = "run.lock"
 REPLACED_PREFIX = "replaced-"
 REPLACED_SUFFIX = ".old"
@@ -240,6 +246,33 @@ DIAGNOSIS_FIELDS = _fields(
     Field("not_compared", "dict", "strategies not compared, with the reason", optional=True),
     Field("passes", "dict", "forward and backward passes the doctor ran", optional=True),
     Field("exit_code", int, "scalelab-doctor's exit code for this cause", optional=True),
+)
+
+
+REPLAY_FIELDS = _fields(
+    Field("why", str, "why the run counts as failed or stalled: its status (diverged, stalled, failed), its scale "
+          "at its strategy's min_scale, or skipping >= 10% of its steps; '; '-joined"),
+    Field("recorded", str, "the strategy that recorded the trace"),
+    Field("precision", str, "the trace's activation-gradient format"),
+    Field("steps", int, "steps in the trace"),
+    Field("skipped", int, "steps the recorded run skipped"),
+    Field("final_scale", float, "the scale the recorded run's last step ran at", optional=True),
+    Field("overflow", str, "the replay's overflow model (auto, persist, bound)"),
+    Field("presets", "list", "one REPLAY_ROW_FIELDS row per preset replayed"),
+)
+
+REPLAY_ROW_FIELDS = _fields(
+    Field("strategy", str, "the conf/strategy option replayed"),
+    Field("steps", int, "steps replayed (fewer than the trace's when the preset stops at its floor)", optional=True),
+    Field("skipped", int, "steps it would have skipped", optional=True),
+    Field("min_scale", float, "the lowest scale it reaches", optional=True),
+    Field("min_scale_step", int, "the first step that runs at it", optional=True),
+    Field("floor", float, "its min_scale (absent: none)", optional=True),
+    Field("floor_steps", int, "steps it runs at its floor", optional=True),
+    Field("final_scale", float, "the scale of its last replayed step", optional=True),
+    Field("stopped", str, "why it stops early (on_min_scale: raise), one line", optional=True),
+    Field("unreplayable", str, "why it cannot be replayed on a trace (e.g. it needs the fp32 probe); then "
+          "no numbers", optional=True),
 )
 
 

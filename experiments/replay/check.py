@@ -33,7 +33,7 @@ from strategies.tracing import Trace, replay
 from strategies.tracing.inputs import OVERFLOW_MODELS, unreplayable
 from strategies.tracing.replay import ReplayResult
 
-__all__ = ["BASE", "SEEDS", "SOURCES", "WORKLOADS", "agreement", "main"]
+__all__ = ["BASE", "SEEDS", "SOURCES", "WORKLOADS", "agreement", "court_pairs", "main"]
 
 BASE = ["+experiment=stress", "train.steps=150", "train.log_every=5", "train.hist_every=5", "train.fidelity_every=0",
         "train.checkpoint_every=0", "train.eval_every=0", "train.eval_batches=1", "logger=none", "train.progress=false",
@@ -54,7 +54,7 @@ def agreement(pred: ReplayResult, real: Trace) -> dict[str, Any]:
     s_pred, s_real = [p.scale for p in pred.steps[:n]], [row[-1] for row in real.scale[:n]]
     k_pred, k_real = [p.skipped for p in pred.steps[:n]], real.found_inf[:n]
     d = next((i for i in range(n) if k_pred[i] != k_real[i]), n)
-    within = [max(a / b, b / a) <= 2 for a, b in zip(s_pred, s_real)]
+    within = [a > 0 and b > 0 and max(a / b, b / a) <= 2 for a, b in zip(s_pred, s_real)]  # a scale of 0: never
     useful = next((j for j in range(d, n) if not within[j]), n) - d
     return {"steps": n, "first_diff": real.steps[d] if d < n else None,
             "within_before": mean(within[:d]) if d else None, "within_after": mean(within[d:]) if d < n else None,
@@ -94,6 +94,24 @@ def _pairs(dirs: dict[tuple, Path], workloads: list[str], seeds: tuple[int, ...]
     return rows
 
 
+def court_pairs(root: Path, seeds: tuple[int, ...]) -> list[dict]:
+    """The court's natural runs (``make court``: ``ROOT/<rl|finetune>/fp16-<option>/seed<k>``): every
+    preset cell's trace replayed as every other cell's preset, against that cell's real run of the seed,
+    under each overflow model (the rows of :func:`_pairs`)."""
+    rows = []
+    for w in ("rl", "finetune"):
+        cells = sorted(d.name[len("fp16-"):] for d in (root / w).glob("fp16-*") if d.name[len("fp16-"):] in presets.options())
+        for seed in seeds:
+            traces = {c: load_trace(root / w / f"fp16-{c}" / f"seed{seed}") for c in cells}
+            for source, trace in traces.items():
+                for option, real in traces.items():
+                    row = {"workload": w, "seed": seed, "source": source, "target": option}
+                    for model in OVERFLOW_MODELS:
+                        row[model] = agreement(replay(trace, presets.build(option, "fp16"), overflow=model), real)
+                    rows.append(row)
+    return rows
+
+
 def _sizes(dirs: dict[tuple, Path]) -> list[dict]:
     """Bytes of ``trace.jsonl`` per step, measured on the check's runs."""
     out = []
@@ -111,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page", type=Path, default=Path("docs/replay.md"))
     p.add_argument("--quick", action="store_true", help="one workload, four options (a smoke run)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds (default: %(default)s)")
+    p.add_argument("--court", type=Path, default=Path("runs/court"), help="make court's runs, for the overflow "
+                   "models on natural runs (default: %(default)s; skipped when absent)")
+    p.add_argument("--court-seeds", type=int, nargs="+", default=[0], help="their seeds (default: %(default)s)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     workloads, seeds = (["spikes"] if args.quick else list(WORKLOADS)), tuple(args.seeds)
@@ -126,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                  if runs.finished(args.out / w / o / f"seed{k}", _overrides(w, o, k)))
     dirs = _train_all(args.out, workloads, seeds, options)
     rows = _pairs(dirs, workloads, seeds, options)
-    results = {"rows": rows, "missing": missing, "sizes": _sizes(dirs), "workloads": {w: WORKLOADS[w] for w in workloads},
+    court = court_pairs(args.court, tuple(args.court_seeds)) if (args.court / "rl").is_dir() else []
+    results = {"rows": rows, "court": court, "court_dir": str(args.court), "court_seeds": list(args.court_seeds), "missing": missing, "sizes": _sizes(dirs), "workloads": {w: WORKLOADS[w] for w in workloads},
                "base": BASE, "seeds": list(seeds), "sources": list(SOURCES), "minutes": (time.perf_counter() - t0) / 60,
                "trained": len(dirs) - before, "runs": len(dirs)}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -9,7 +9,9 @@ does, with the run's precision) or a registered rule; ``--set`` overrides its op
 lowest point, its floor, the activation-gradient entries it would lose and how the trace's gaps are
 bridged. ``--json``: one object per step (``step``, ``scale``, ``skipped``, ``scales`` for per-layer
 rules, ``lost_frac``/``subnormal_frac`` at histogram steps). ``--strategy all``: every option, one
-line each. ``--overflow persist|bound``: the other overflow models (:mod:`strategies.tracing.inputs`).
+line each. ``--table``: ``replay.json`` into every failed or stalled run under RUN_DIR, every preset
+replayed (``--presets a,b``: those only), for the report's replay table (:mod:`experiments.replay.table`).
+``--overflow persist|bound``: the other overflow models (:mod:`strategies.tracing.inputs`).
 
 Exit status: 0; 2 with one line on stderr for a missing or corrupt trace, an unknown strategy or a
 bad ``--set``; 3 when the strategy reads what the trace does not record (said in one line).
@@ -22,39 +24,14 @@ import json
 import sys
 from pathlib import Path
 
-from experiments import schema
-from experiments.app.train import group_options
-from experiments.replay import presets
-from strategies.tracing import Trace, TraceError
+from experiments.replay import presets, table
+from experiments.replay.tracefile import ReplayError, load_trace
+from strategies.tracing import Trace
 from strategies.tracing.inputs import OVERFLOW_MODELS, MissingInput
 from strategies.tracing.replay import ReplayResult, replay
 from strategies.watch.detector import Detector, observations
 
-__all__ = ["ReplayError", "load_trace", "main", "describe", "warning_line"]
-
-
-class ReplayError(Exception):
-    """A run directory or command line the replay cannot use (one line)."""
-
-
-def load_trace(run_dir: Path) -> Trace:
-    """The run's trace (``RUN_DIR/trace.jsonl``, or a trace file itself, e.g. written by
-    ``strategies.watch.Watch.save``); :class:`ReplayError` when missing or unreadable."""
-    if run_dir.is_file():
-        path = run_dir
-    elif not run_dir.is_dir():
-        raise ReplayError(f"run directory {run_dir} does not exist or is not a directory")
-    else:
-        path = run_dir / schema.TRACE_NAME
-    if not path.is_file():
-        raise ReplayError(f"{run_dir} has no {schema.TRACE_NAME} (a run from before traces, or train.trace=false)")
-    try:
-        trace = Trace.from_lines(path.read_text(encoding="utf-8").splitlines())
-    except (TraceError, OSError, UnicodeDecodeError) as exc:
-        raise ReplayError(f"{path}: corrupt trace: {exc}") from None
-    if not len(trace):
-        raise ReplayError(f"{path}: the trace holds no step yet")
-    return trace
+__all__ = ["ReplayError", "load_trace", "main", "describe", "run", "warning_line"]
 
 
 def _g(x: float | None) -> str:
@@ -108,7 +85,10 @@ def describe(name: str, result: ReplayResult) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scalelab-replay", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--strategy", required=True, help="a conf/strategy option or registered rule; 'all': every option")
+    p.add_argument("--strategy", help="a conf/strategy option or registered rule; 'all': every option")
+    p.add_argument("--table", action="store_true", help="write replay.json into every failed or stalled run under "
+                   "RUN_DIR (every preset, or --presets), for the report's replay table")
+    p.add_argument("--presets", default=None, metavar="A,B", help="with --table: these options only")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a strategy option")
     p.add_argument("--json", action="store_true", help="one JSON object per step")
     p.add_argument("--overflow", choices=OVERFLOW_MODELS, default="auto", help="overflow model of recorded overflows")
@@ -116,12 +96,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _one(trace: Trace, name: str, sets: list[str], overflow: str) -> ReplayResult:
-    precision = trace.format.name if trace.format.name in group_options("precision") else "fp16"
-    strategy = presets.build(name, precision, sets)
+    strategy = presets.build(name, table.precision_of(trace), sets)
     return replay(trace, strategy, overflow=overflow)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.table:
+        names = args.presets.split(",") if args.presets else None
+        unknown = sorted(set(names or ()) - set(presets.options()))
+        if unknown:
+            raise ReplayError(f"--presets: unknown option {unknown[0]!r}; allowed: {', '.join(presets.options())}")
+        written = table.write_tables(args.run_dir, names, args.overflow)
+        print(f"scalelab-replay: {len(written)} failed or stalled runs under {args.run_dir}: replay.json written")
+        return 0
+    if not args.strategy:
+        raise ReplayError("--strategy is required (a conf/strategy option, or 'all'), unless --table")
     trace = load_trace(args.run_dir)
     names = presets.options() if args.strategy == "all" else [args.strategy]
     if args.strategy == "all" and args.json:

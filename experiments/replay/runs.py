@@ -35,7 +35,8 @@ def finished(run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any
 
 
 def train(run_dir: Path, overrides: list[str], log: Any = print) -> dict[str, Any]:
-    """Train the run ``overrides`` describes into ``run_dir`` (or reuse it, finished); its summary."""
+    """Train the run ``overrides`` describes into ``run_dir`` (or reuse it, finished); its summary (also of a
+    run that raised after writing it: a strategy's ``on_min_scale: raise`` ends the run ``failed``)."""
     done = finished(run_dir, overrides)
     if done is not None:
         return done
@@ -45,7 +46,12 @@ def train(run_dir: Path, overrides: list[str], log: Any = print) -> dict[str, An
     with open_dict(cfg):
         del cfg["hydra"]
     t0 = time.perf_counter()
-    summary = run(cfg, run_dir, list(overrides), choices)
+    try:
+        summary = run(cfg, run_dir, list(overrides), choices)
+    except Exception:  # noqa: BLE001 - a run that stops by raising (on_min_scale: raise) recorded its summary
+        summary = finished(run_dir, overrides)
+        if summary is None:
+            raise
     log(f"  {run_dir}: {summary['status']} at step {summary['steps']}, {summary['skipped_steps']} skipped "
         f"({time.perf_counter() - t0:.0f} s)")
     return summary

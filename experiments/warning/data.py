@@ -10,10 +10,19 @@ twins (the same run with the fix: a tenth of the learning rate), per strategy an
 * ``fp8_lr_spike`` — the same in ``fp8_e5m2`` (bf16 forward, e5m2 activation gradients): the
   loss passes ``train.divergence_loss`` at ~step 60.
 
-The natural workloads (``finetune``, ``rl``: ``conf/workload/``) have no setting that fails by
-construction yet (``docs/early-warning.md`` says so); one would join as an entry of :data:`WORKLOADS`.
-The scaler alternates with the seed (:func:`strategy_for`: ``native`` on even seeds, ``max_ema`` on
-odd ones), so that each split holds both and the check stays ~10 min on one CPU thread.
+* ``finetune_lr_spike`` — the natural fine-tuning workload (``conf/workload/finetune.yaml``: the
+  pretrained character GPT on held-out text) warmed up over 60 steps to lr 1.0: diverges at
+  ~step 65-85 (a forward overflow in ``blocks.0.fc_out``, as the doctor says);
+* ``scale_floor`` — ``lr_spike`` under ``native`` with ``min_scale`` 16384 and ``on_min_scale: raise``:
+  the scale pinned at its floor stops the run (``failed``) at ~step 44, unless the loss diverges first.
+
+The ``rl`` workload (GRPO, ``conf/workload/rl.yaml``) has no setting found that fails by construction:
+``scalelab-train +workload=rl strategy=native seed=0 optimizer.lr=L train.lr_warmup=60 train.steps=150
+train.grad_clip=0`` completed with no skipped step at L = 0.3 and 1.0 (and at 200 steps with L = 3e-3,
+3e-2): its clipped surrogate loss stays bounded, so neither the loss nor the scale fails; a collapse
+of its reward is not a run status. The scaler alternates with the seed (:func:`strategy_for`:
+``native`` on even seeds, ``max_ema`` on odd ones; :data:`PINNED` workloads keep one), so that each
+split holds both.
 """
 
 from __future__ import annotations
@@ -38,10 +47,15 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
                       "train.grad_clip=0", "train.lr_warmup=50", "train.steps=150"], ["optimizer.lr=0.1"]),
     "lr_spike": (LR_SPIKE, ["optimizer.lr=1.0"]),
     "fp8_lr_spike": ([*LR_SPIKE, "precision=fp8_e5m2"], ["optimizer.lr=1.0"]),
+    "finetune_lr_spike": (["+workload=finetune", "train.lr_warmup=60", "train.steps=150", "train.grad_clip=0"],
+                          ["optimizer.lr=1.0"]),
+    "scale_floor": ([*LR_SPIKE, "strategy.min_scale=16384", "strategy.on_min_scale=raise"], ["optimizer.lr=1.0"]),
 }
 """workload -> (overrides shared by both twins, the failing twin's learning rate); the healthy
 twin runs at a tenth of it."""
 STRATEGIES = ("native", "max_ema")
+PINNED = {"scale_floor": "native"}
+"""Workloads run with one strategy on every seed (``scale_floor``: ``native``'s ``on_min_scale``)."""
 SEEDS = (0, 1, 2, 3)
 TRAIN_SEEDS = (0, 1)
 FAILED = ("diverged", "stalled", "failed")
@@ -74,9 +88,9 @@ def _lr(overrides: list[str], failing: bool) -> list[str]:
     return [lr if failing else f"optimizer.lr={float(lr.split('=')[1]) / 10:g}"]
 
 
-def strategy_for(seed: int) -> str:
-    """The scaler of the runs of ``seed`` (module docstring)."""
-    return STRATEGIES[seed % len(STRATEGIES)]
+def strategy_for(seed: int, workload: str | None = None) -> str:
+    """The scaler of ``workload``'s runs of ``seed`` (module docstring; :data:`PINNED`)."""
+    return PINNED.get(workload or "", STRATEGIES[seed % len(STRATEGIES)])
 
 
 def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS) -> list[Run]:
@@ -85,7 +99,7 @@ def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS) -> 
     for w in workloads:
         shared, lr = WORKLOADS[w]
         for seed in seeds:
-            strategy = strategy_for(seed)
+            strategy = strategy_for(seed, w)
             for failing in (True, False):
                 d = out / w / ("failing" if failing else "healthy") / strategy / f"seed{seed}"
                 overrides = [*COMMON, *shared, *_lr(lr, failing), f"strategy={strategy}", f"seed={seed}"]

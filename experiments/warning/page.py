@@ -53,6 +53,10 @@ def _data(runs: list[dict]) -> list[str]:
     return out
 
 
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _reading(results: dict[str, Any]) -> list[str]:
     """What the fit and the numbers come to, computed from them."""
     m, runs, held = results["model"], results["runs"], results["seeds"]
@@ -61,11 +65,13 @@ def _reading(results: dict[str, Any]) -> list[str]:
     failed = Counter(r["status"] for r in runs if r["status"] in ("diverged", "stalled", "failed"))
     out = [f"* The fit leans on `{ranked[0][1]}` (coefficient {ranked[0][0]:+.2f} per sd)"
            + (f"; it gives no weight to {', '.join(f'`{f}`' for f in unused)}." if unused else ".")]
-    if not failed.get("stalled"):
-        out.append(f"* The labelled failures are {', '.join(f'{k} {v}' for k, v in sorted(failed.items()))}: no run "
-                   "stalled or stopped at its scale floor, so nothing here teaches the detector what a collapsing scale "
-                   "looks like (a scale collapse still raises `skip_rate` and leaves no finite abs-max: `amax_growth` "
-                   "at its cap).")
+    out.append(f"* The labelled failures are {', '.join(f'{k} {v}' for k, v in sorted(failed.items()))} "
+               "(`failed`: stopped at the scale floor, `on_min_scale: raise`).")
+    for m_ in results.get("missed", []):
+        alarm = "no alarm" if m_["alarm"] is None else f"its alarm at step {m_['alarm']}"
+        out.append(f"* Not warned in time (held-out seed): `{m_['workload']}` seed {m_['seed']}, failed at step "
+                   f"{m_['end']}, {alarm}; up to 80% of its horizon {m_['skips_before']} skipped steps, `loss_rise` at "
+                   f"most {_g(m_['loss_rise'])}, `amax_growth` at most {_g(m_['amax_growth'])}.")
     out.append(f"* The held-out splits are small ({held['failing']} failing, {held['healthy']} healthy runs for the "
                "held-out seeds): one run moves a rate by a large step.")
     return out
@@ -108,12 +114,14 @@ def page(results: dict[str, Any]) -> str:
         *_model(results["model"]), "",
         "## How it was evaluated", "",
         f"Labelled runs (each `{' '.join(COMMON)}`, seeds {', '.join(map(str, SEEDS))}, the scaler "
-        f"{' / '.join(STRATEGIES)} alternating with the seed): a workload that "
+        f"{' / '.join(STRATEGIES)} alternating with the seed but where a workload pins one): a workload that "
         "fails by construction and its healthy twin at a tenth of the learning rate. A run's label is its outcome "
-        "(`diverged`/`stalled` = failed).", "",
+        "(`diverged`/`stalled`/`failed` = failed; a healthy twin that fails counts as failing).", "",
         *_data(results["runs"]), "",
-        "Not included: the natural fine-tuning and reinforcement-learning workloads (`conf/workload/`) have no setting "
-        "that fails by construction yet; one would join as an entry of `experiments/warning/data.py`.", "",
+        "`finetune_lr_spike` is the natural fine-tuning workload (`conf/workload/finetune.yaml`) with a learning-rate "
+        "spike; `scale_floor` is `lr_spike` under `native` with a high floor that raises when reached (the scale "
+        "pinned at its floor). Not included: the reinforcement-learning workload (`conf/workload/rl.yaml`) has no "
+        "setting found that fails by construction (`experiments/warning/data.py` says what was tried).", "",
         "The horizon of a failing run is the number of steps it took to fail; a warning counts when it comes at the "
         "latest at 80% of it (a lead of at least 20% of the horizon). AUROC compares each failing run's highest score up "
         "to that point with each healthy run's highest score over the same number of steps; false alarms count healthy "
@@ -124,7 +132,8 @@ def page(results: dict[str, Any]) -> str:
         *(_row(f"workload `{w}` held out (and its seeds)", e) for w, e in results["workloads"].items()), "",
         "Reading:", "", *_reading(results), "",
         "For reference, on the training runs themselves:", "", *header, _row("training runs", results["train"]), "",
-        f"Cost: {results['minutes']:.1f} min for this command ({results['trained']} of {len(results['runs'])} labelled runs "
-        "trained in it, any others reused from an earlier one; one CPU thread).", "",
+        f"Cost: {results['minutes']:.1f} min wall, {results.get('cpu_minutes', float('nan')):.1f} min of CPU for this "
+        f"command ({results['trained']} of {len(results['runs'])} labelled runs trained in it, any others reused from an "
+        "earlier one; one CPU thread).", "",
     ]
     return "\n".join(text)

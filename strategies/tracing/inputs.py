@@ -20,7 +20,10 @@ scale ``S_il`` and the format's largest value ``M`` (``trace.format.max``):
     group's gradients of the :data:`RECENT` steps before were already within a factor
     :data:`NEAR` of overflowing at ``S_il`` (``max a * S_il >= NEAR * M``: the *scale* overflowed,
     as a rule that rides the edge does), else ``persist`` (a jump no scale near the recorded one
-    survives).
+    survives). A step with no finite abs-max in the steps before (a run that opens with a string
+    of overflows from a 2^32 initial scale, as Megatron's and AReaL's presets do) is judged by the
+    first :data:`RECENT` clean steps after it: in ``make replay-check``'s court traces, judging
+    those as jumps made every other preset skip them all.
 
 A step overflows when any group does. The parameter gradients' abs-max underestimates the
 activation gradients inside backward (``strategies/rules/amax_history.py`` measured 61745 < 65504
@@ -108,11 +111,21 @@ def _spacing(steps: list[int]) -> str:
     return "once" if not gaps else (f"{gaps[0]} steps" if len(gaps) == 1 else f"{gaps[0]}-{gaps[-1]} steps")
 
 
+def _evidence(trace: Trace, i: int) -> list[list[float]]:
+    """The abs-max rows that tell what step ``i``'s overflow was: the :data:`RECENT` steps before it
+    with a finite abs-max, or, when none has (a run that starts by overflowing, e.g. from a 2^32
+    initial scale), the first :data:`RECENT` such steps after it."""
+    finite = [row for row in trace.group_absmax[max(0, i - RECENT):i] if any(map(math.isfinite, row))]
+    if finite:
+        return finite
+    after = (row for row in trace.group_absmax[i + 1:] if any(map(math.isfinite, row)))
+    return [row for _, row in zip(range(RECENT), after)]
+
+
 def _near_overflow(trace: Trace, i: int, rec: list[float]) -> bool:
-    """Were the gradients of the :data:`RECENT` steps before step ``i`` already within :data:`NEAR` of
+    """Were the gradients of step ``i``'s evidence (:func:`_evidence`) already within :data:`NEAR` of
     the format's largest value at the recorded scales ``rec`` (in any group)?"""
-    peak = max((a * r for row in trace.group_absmax[max(0, i - RECENT):i] for a, r in zip(row, rec) if math.isfinite(a)),
-               default=0.0)
+    peak = max((a * r for row in _evidence(trace, i) for a, r in zip(row, rec) if math.isfinite(a)), default=0.0)
     return peak >= NEAR * trace.format.max
 
 

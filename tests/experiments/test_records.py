@@ -28,6 +28,8 @@ EXPERIMENTS = CONF_DIR.parent / "experiments"
         (schema.SUMMARY_FIELDS, "## `summary.json`", "## Other files"),
         (schema.TRACE_HEADER_FIELDS, '`kind: "trace_header"`', '`kind: "trace"` —'),
         (schema.TRACE_FIELDS, '`kind: "trace"` —', "Row columns"),
+        (schema.REPLAY_FIELDS, "## `replay.json`", "Each row of `presets`"),
+        (schema.REPLAY_ROW_FIELDS, "Each row of `presets`", "## Loggers"),
     ],
 )
 def test_documented_keys_are_the_schemas_fields(fields: dict, start: str, end: str) -> None:
@@ -45,7 +47,8 @@ def test_documented_statuses_and_file_names_are_the_schemas() -> None:
     text = DOC.read_text()
     status_row = next(line for line in text.splitlines() if line.startswith("| `status` |"))
     assert all(f"`{s}`" in status_row for s in schema.STATUSES)
-    for name in (schema.METRICS_NAME, schema.SUMMARY_NAME, schema.CHECKPOINT_NAME, schema.LOCK_NAME, schema.TRACE_NAME):
+    for name in (schema.METRICS_NAME, schema.SUMMARY_NAME, schema.CHECKPOINT_NAME, schema.LOCK_NAME, schema.TRACE_NAME,
+                 schema.REPLAY_NAME):
         assert f"`{name}`" in text
 
 

@@ -10,7 +10,7 @@ from scipy.optimize import minimize
 from scipy.stats import mannwhitneyu
 
 from experiments.warning.data import Run
-from experiments.warning.evaluate import L2, _samples, _scores, auroc, fit, step_features
+from experiments.warning.evaluate import L2, _samples, _scores, auroc, fit, missed, step_features
 from strategies.tracing import FORMATS, Trace
 
 
@@ -58,3 +58,21 @@ def test_the_fit_minimises_the_weighted_penalised_logistic_loss() -> None:
     healthy = [max(_scores(r, model)) for r in runs if not r.failed]
     assert sum(s >= model["threshold"] for s in healthy) <= 0.05 * len(healthy)
     assert model["threshold"] == np.nextafter(max(healthy), 1.0)  # 6 healthy runs: none may alarm, the lowest such
+
+
+def test_missed_lists_the_failing_runs_not_warned_at_a_fifth_of_their_horizon() -> None:
+    runs = [run(k, f) for k in range(6) for f in (True, False)]
+    flat = Trace(["a"], [1], format=FORMATS["fp16"])  # fails with no sign before it: a flat trace, then diverged
+    for step in range(1, 61):
+        flat.add_row(step, [0.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.1, 2.0**16, 1.0])
+    abrupt = Run("w", "native", 7, True, "diverged", flat)
+    feats = {id(r): step_features(r) for r in [*runs, abrupt]}
+    model = fit(runs, feats)
+    out = missed([*runs, abrupt], model, feats)
+    want = []
+    for r in [*runs, abrupt]:
+        first = next((st for st, s in zip(r.trace.steps, _scores(r, model)) if s >= model["threshold"]), None)
+        if r.failed and (first is None or first > 48):  # 0.8 * 60
+            want.append((r.seed, first, sum(r.trace.found_inf[:48])))
+    assert [(m["seed"], m["alarm"], m["skips_before"]) for m in out] == want and want[-1][0] == 7
+    assert all(m["end"] == 60 and m["loss_rise"] is not None for m in out)

@@ -177,3 +177,18 @@ def test_a_plugin_rule_is_replayed_through_its_own_update(one_thread) -> None:
     # 2^20 and 2^19 overflow (|g| ~ 0.2), 2^18 does not; step 4 is a spike
     assert len(calls) == 6 and [s.skipped for s in result.steps] == [True, True, False, True, False, False]
     assert result.steps[-1].scale == 2.0**17 and math.isinf(calls[0].item())
+
+
+def test_auto_judges_an_opening_string_of_overflows_by_the_clean_steps_after_it() -> None:
+    """A run that opens by overflowing (2^32 halving down, no finite abs-max before): ``auto`` reads the
+    first clean steps after it. Gradients of 1.0 overflow at 2^32 by the scale (``bound``: 65536
+    survives); gradients of 1e-9 would not have overflowed at 2^32, so the overflow was a jump."""
+    for after, kept in ((1.0, True), (1e-9, False)):
+        t = Trace(["a"], [1], format=FORMATS["fp16"])
+        t.add_row(1, [1.0, 1.0, math.nan, math.nan, 0.0, 0.0, 0.1, 2.0**32, math.inf])
+        t.add_row(2, [1.0, 1.0, math.nan, math.nan, 0.0, 0.0, 0.1, 2.0**31, math.inf])
+        for step in range(3, 3 + RECENT):
+            t.add_row(step, [0.0, 1.0, after, 1.0, 0.0, 0.0, 0.1, 2.0**30, after])
+        assert group_overflow(t, 0, [65536.0], "auto")[0] == [not kept]
+        assert group_overflow(t, 1, [65536.0], "auto")[0] == [not kept]
+        assert group_overflow(t, 0, [65536.0], "persist")[0] == [True]
