@@ -19,6 +19,7 @@ from experiments.schema import REPLAY_FIELDS, REPLAY_NAME, REPLAY_ROW_FIELDS
 
 from analysis.document import Document
 from analysis.load import MiB, read_object
+from analysis.metrics import SKIPPED_STEPS
 from analysis.records import coerce_fields, cut, describe_bad
 from analysis.text import code, fmt
 
@@ -101,7 +102,7 @@ def replay_section(doc: Document, table: pd.DataFrame) -> None:
     for run_id, g in groups[:MAX_TABLES]:
         first = g.iloc[0]
         doc.h(2, code(run_id))
-        doc.table(["preset", "skipped steps", "lowest scale", "steps at its floor", "final scale"],
+        doc.table(["preset", SKIPPED_STEPS.label, "lowest scale", "steps at its floor", "final scale"],
                   [_cells(p) for _, p in g.iterrows()],
                   caption=(f"Recorded ({code(first['run_recorded'])}): {code(first['run_why'], max_chars=200)}; "
                            f"{fmt(first['run_skipped'])} of {fmt(first['run_steps'])} steps skipped, final scale "

@@ -118,7 +118,7 @@ def test_diagnosis_json_follows_the_schema(tmp_path: Path) -> None:
 
 
 def test_run_records_doc_lists_the_diagnosis_fields() -> None:
-    assert documented("## `diagnosis.json`", "## Loggers") == set(schema.DIAGNOSIS_FIELDS)
+    assert documented("## `diagnosis.json`", "## `replay.json`") == set(schema.DIAGNOSIS_FIELDS)
     assert f"`{schema.DIAGNOSIS_NAME}`" in DOC.read_text()
 
 
