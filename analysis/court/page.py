@@ -18,9 +18,9 @@ from typing import Sequence
 
 import pandas as pd
 
-from analysis.court.readings import (BASE_CELL, COURT_CELLS, PRIMARY_OF, REF_CELL, Primary,
+from analysis.court.readings import (BASE_CELL, COURT_CELLS, REF_CELL, WORKLOADS, Primary,
                                      court_cells, court_rows, format_row, is_inconclusive,
-                                     recommend)
+                                     primary_for, recommend)
 from analysis.document import Document, write_document
 from analysis.load import RunLoadError, load_runs
 from analysis.metrics import LOST_ENTRIES, SKIPPED_STEPS
@@ -52,7 +52,7 @@ def _columns(p: Primary) -> list[str]:
 
 def workload_section(doc: Document, runs: pd.DataFrame, workload: str) -> None:
     """The heading, the call, the table and the inconclusive / missing cells of one workload."""
-    p = PRIMARY_OF[workload]
+    p = primary_for(runs, workload)
     doc.h(1, f"`{workload}`: {_WHAT[workload]}")
     cells = court_cells(runs, workload)
     if not cells:
@@ -100,7 +100,7 @@ def court_page(runs: pd.DataFrame, command: str, quick: bool) -> Document:
     doc.p("A setting is recommended only where, paired by seed, its interval separates it from "
           "every other fp16 cell; otherwise the page says **tie** and names the cells the runs "
           "cannot tell apart. bf16 and fp32 are shown for scale, not ranked.")
-    for workload in PRIMARY_OF:
+    for workload in WORKLOADS:
         workload_section(doc, runs, workload)
     return doc
 

@@ -20,8 +20,8 @@ import yaml
 from scipy import stats as sps
 
 from analysis.court.page import main
-from analysis.court.readings import (COURT_CELLS, COURT_STRATEGIES, PRIMARY_OF, cell_name,
-                                     court_cells, court_rows, recommend)
+from analysis.court.readings import (COURT_CELLS, COURT_STRATEGIES, cell_name, court_cells,
+                                     court_rows, primary_for, recommend)
 from analysis.load import load_runs
 from experiments.schema import SUMMARY_FIELDS, SUMMARY_NAME
 from tests.experiments.runs import TINY, cli
@@ -33,14 +33,14 @@ SEEDS = range(6)
 def _run(root: Path, workload: str, strategy: str, seed: int, value: float, *,
          precision: str = "fp16", status: str = "completed", keep: list[str] | None = None,
          skipped: int = 0, lost: float = 0.1) -> None:
-    primary = PRIMARY_OF[workload].column
+    primary = {"rl": "final_reward", "finetune": "final_eval_loss"}[workload]  # conf/workload/*.yaml
     cell = f"{precision}-{strategy}" + ("-keep_head_fp32" if keep else "")
     d = root / workload / cell / f"seed{seed}"
     d.mkdir(parents=True)
     summary = {"status": status, "strategy": strategy, "precision": precision,
                "model": "gpt_pretrained", "data": "rl_vowels", "regime": workload,
                "workload": f"gpt_pretrained/rl_vowels/{workload}", "seed": seed, "sweep": "court",
-               "steps": 400, "final_eval_loss": 2.0, primary: value,
+               "steps": 400, "final_eval_loss": 2.0, primary: value, "primary": primary,
                "skipped_steps": skipped, "fidelity_lost_frac_mean": lost,
                "diverged": status == "diverged", "survived": status == "completed",
                "fingerprint": {"git_sha": "abc"}}
@@ -121,7 +121,8 @@ def test_the_numbers_match_plain_restatements(tmp_path: Path) -> None:
     _run(root, "rl", "static8", 0, 0.1, status="diverged")
     for s in SEEDS[1:]:
         _run(root, "rl", "static8", s, written["native"][s] + 0.01, skipped=3, lost=0.3)
-    rows = court_rows(court_cells(load_runs([root]).runs, "rl"), PRIMARY_OF["rl"])
+    runs = load_runs([root]).runs
+    rows = court_rows(court_cells(runs, "rl"), primary_for(runs, "rl"))
     rows = rows.set_index("cell")
     d = np.array(written["areal"]) - np.array(written["native"])
     assert rows.loc["areal", "d_native"] == pytest.approx(d.mean(), rel=1e-12)
@@ -144,7 +145,8 @@ def test_a_cell_that_loses_a_seed_is_not_recommended_over_one_that_survives(tmp_
     _run(root, "rl", "areal", 0, 0.0, status="diverged")
     for s in SEEDS[1:]:
         _run(root, "rl", "areal", s, written["native"][s] + 0.2)
-    v = recommend(court_cells(load_runs([root]).runs, "rl"), PRIMARY_OF["rl"])
+    runs = load_runs([root]).runs
+    v = recommend(court_cells(runs, "rl"), primary_for(runs, "rl"))
     assert v.leader == "verl"
 
 
