@@ -26,9 +26,11 @@ COMMA             := ,
 COURT_REFS        := $(if $(IS_QUICK),fp32,fp32$(COMMA)bf16)
 COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
 COURT_PAGE ?= docs/court.md
+COURT_LONG_OUT  ?= runs/court_long
+COURT_LONG_PAGE ?= docs/court-long.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress court report reproduce bench doctor-eval replay-check warning-eval clean
+.PHONY: help setup test test-all compare compare-full stress court court-long report reproduce bench doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -67,6 +69,12 @@ court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on 
 	  $(TRAIN) -m +experiment=court_$$wl precision=$(COURT_REFS) strategy=none $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
 	done
 	$(BIN)/python -m analysis.court $(COURT_OUT) --page $(COURT_PAGE) $(if $(IS_QUICK),--quick)
+
+court-long: setup ## The court on rl at 3000 steps (native, megatron, verl, areal, fp32 x 6 seeds): growth intervals act; writes docs/court-long.md
+	@echo "make court-long: rl: native, megatron, verl, areal in fp16, then fp32 -> $(COURT_LONG_OUT)"
+	$(TRAIN) -m +experiment=court_long hydra.sweep.dir=$(COURT_LONG_OUT)
+	$(TRAIN) -m +experiment=court_long precision=fp32 strategy=none hydra.sweep.dir=$(COURT_LONG_OUT)
+	$(BIN)/python -m analysis.court.long $(COURT_LONG_OUT) --page $(COURT_LONG_PAGE)
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	$(BIN)/scalelab-report $(OUT) --out $(REPORT)
