@@ -67,7 +67,9 @@ def long_page(runs: pd.DataFrame, command: str) -> Document:
           "2000-step and Megatron's 1000-step growth intervals can act (the court's 800 steps "
           "cannot).")
     workload_section(doc, runs, WORKLOAD, missing_words="Not run at this horizon (the court's "
-                     "other cells: `make court`)")
+                     "other cells: `make court`)", what="GRPO fine-tuning of the pretrained "
+                     "character GPT at the long horizon, rollouts sampled in fp16 "
+                     "(`+experiment=court_long`)")
     doc.h(2, "Did each growth interval act?")
     doc.table(_COLUMNS, growth_rows(runs), caption=(
         "From each run's trace.jsonl (the scale of every step): a growth is a step after which "

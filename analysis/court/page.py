@@ -61,12 +61,13 @@ def _columns(p: Primary) -> list[str]:
 
 
 def workload_section(doc: Document, runs: pd.DataFrame, workload: str, quick: bool = False,
-                     missing_words: str = "") -> None:
+                     missing_words: str = "", what: str = "") -> None:
     """The heading, the call, the table and the inconclusive / missing cells of one workload
     (``quick``: the missing cells are those the QUICK pass leaves to the full court;
-    ``missing_words``: how another page names the cells it does not run)."""
+    ``missing_words``: how another page names the cells it does not run; ``what``: its heading's
+    description of the runs, for another page's experiment)."""
     p = primary_for(runs, workload)
-    doc.h(1, f"`{workload}`: {_WHAT[workload]}")
+    doc.h(1, f"`{workload}`: {what or _WHAT[workload]}")
     cells = court_cells(runs, workload)
     if not cells:
         doc.p(f"No runs of `{workload}` under the directory: run `make court` (every cell of "
