@@ -19,13 +19,21 @@ QUICK      ?=
 IS_QUICK   := $(filter 1 yes true,$(QUICK))
 LONG       ?=
 IS_LONG    := $(filter 1 yes true,$(LONG))
-# The court (conf/experiment/court.yaml): QUICK=1 is its 5-minute pass (3 seeds, 400 steps)
-COURT_QUICK_ARGS := seed=0,1,2 train.steps=400 train.lr_warmup=20 train.eval_every=200 train.checkpoint_every=200
+# The court (conf/experiment/court.yaml): QUICK=1 is its 5-minute pass: 3 seeds, 400 steps, one evaluation
+# (at the end), and only the fp16 cells whose rules can act within 400 steps (GradScaler, verl's 400, areal's 5,
+# megatron's 2^32 start, static 8, metaseq's 256, no scaling) and the fp32 reference; the other cells (oat,
+# min_scale_1e-10, fairseq_tolerance, hysteresis2, init_2p32, the head in fp32, bf16) run only in the full court
+COURT_QUICK_ARGS  := seed=0,1,2 train.steps=400 train.lr_warmup=20 train.eval_every=0 train.checkpoint_every=200
+COURT_QUICK_CELLS := native,verl,areal,megatron,static8,metaseq,none
+COMMA             := ,
+COURT_REFS        := $(if $(IS_QUICK),fp32,fp32$(COMMA)bf16)
 COURT_OUT  ?= $(if $(IS_QUICK),runs/court_quick,runs/court)
 COURT_PAGE ?= docs/court.md
+COURT_LONG_OUT  ?= runs/court_long
+COURT_LONG_PAGE ?= docs/court-long.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress court report reproduce bench gpu-pass stats-schedule doctor-eval replay-check warning-eval clean
+.PHONY: help setup test test-all compare compare-full stress court court-long report reproduce bench gpu-pass stats-schedule doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -58,14 +66,20 @@ compare-full: setup ## The larger comparison (every preset, 8 seeds, 800 steps):
 stress: setup ## The synthetic stress comparison (loss x1e-8, x1e4 spikes; the default until issue 30): runs/stress
 	$(MAKE) compare EXPERIMENT=stress OUT=runs/stress REPORT=reports/stress PAGE=reports/stress/findings.md FP8_SWEEP=regime=plain BLOCK_SWEEP='regime=plain strategy=native,none'
 
-court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on rl and finetune, writes docs/court.md (QUICK=1: 3 seeds, 400 steps)
+court: setup ## The fp16-RL scaler court: every preset and remedy x 10 seeds on rl and finetune, writes docs/court.md (QUICK=1: 3 seeds, 400 steps, 7 fp16 cells + fp32)
 	@for wl in rl finetune; do \
-	  echo "make court: $$wl: the 12 fp16 cells, then native with the LM head in fp32, then fp32 and bf16 -> $(COURT_OUT)"; \
-	  $(TRAIN) -m +experiment=court_$$wl $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
-	  $(TRAIN) -m +experiment=court_$$wl strategy=native 'model.keep_fp32=[head]' cell=-keep_head_fp32 $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
-	  $(TRAIN) -m +experiment=court_$$wl precision=fp32,bf16 strategy=none $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
+	  echo "make court: $$wl: $(if $(IS_QUICK),the QUICK fp16 cells $(COURT_QUICK_CELLS) then fp32,the 12 fp16 cells$(COMMA) then native with the LM head in fp32$(COMMA) then fp32 and bf16) -> $(COURT_OUT)"; \
+	  $(TRAIN) -m +experiment=court_$$wl $(if $(IS_QUICK),$(COURT_QUICK_ARGS) strategy=$(COURT_QUICK_CELLS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
+	  $(if $(IS_QUICK),,$(TRAIN) -m +experiment=court_$$wl strategy=native 'model.keep_fp32=[head]' cell=-keep_head_fp32 hydra.sweep.dir=$(COURT_OUT) || exit 1;) \
+	  $(TRAIN) -m +experiment=court_$$wl precision=$(COURT_REFS) strategy=none $(if $(IS_QUICK),$(COURT_QUICK_ARGS)) hydra.sweep.dir=$(COURT_OUT) || exit 1; \
 	done
 	$(BIN)/python -m analysis.court $(COURT_OUT) --page $(COURT_PAGE) $(if $(IS_QUICK),--quick)
+
+court-long: setup ## The court on rl at 3000 steps (native, megatron, verl, areal, fp32 x 6 seeds): growth intervals act; writes docs/court-long.md
+	@echo "make court-long: rl: native, megatron, verl, areal in fp16, then fp32 -> $(COURT_LONG_OUT)"
+	$(TRAIN) -m +experiment=court_long hydra.sweep.dir=$(COURT_LONG_OUT)
+	$(TRAIN) -m +experiment=court_long precision=fp32 strategy=none hydra.sweep.dir=$(COURT_LONG_OUT)
+	$(BIN)/python -m analysis.court.long $(COURT_LONG_OUT) --page $(COURT_LONG_PAGE)
 
 report: setup ## Rebuild the report of an existing sweep: make report OUT=runs/compare
 	OMP_NUM_THREADS=1 $(BIN)/scalelab-replay $(OUT) --table

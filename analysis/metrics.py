@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ACT_ZERO_FRAC", "FINAL_EVAL_LOSS", "LOST_ENTRIES", "METRICS", "METRIC_BY_COLUMN",
+__all__ = ["ACT_ZERO_FRAC", "FINAL_EVAL_LOSS", "FINAL_PRIMARY", "FINAL_REWARD", "LOST_ENTRIES", "METRICS", "METRIC_BY_COLUMN",
            "Metric", "ONE_MINUS_COS", "PRIMARY", "SKIPPED_STEPS", "STEPS_TO_TARGET",
-           "STRATEGY_OVERHEAD", "label", "metric"]
+           "STRATEGY_OVERHEAD", "label", "metric", "primary_name"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,16 @@ class Metric:
 FINAL_EVAL_LOSS = Metric(
     "final_eval_loss", "final eval loss",
     "validation loss at the end of training (primary metric)", unit="nats", diverged_loses=True)
+FINAL_REWARD = Metric(
+    "final_reward", "final reward",
+    "rl: mean reward of one completion per fixed evaluation prompt at the end of training (higher "
+    "is better: the report ranks by its negation, the court by the reward itself)")
+FINAL_PRIMARY = Metric(
+    "final_primary", "primary metric",
+    "each workload's own primary metric at the end of training, as the workload declares it "
+    "(summary.json `primary`, conf/workload/*.yaml `regime.primary`): the final eval loss (nats), "
+    "or on `rl` minus the final reward, so that lower is better in every column and a higher "
+    "reward ranks first", diverged_loses=True)
 STEPS_TO_TARGET = Metric(
     "steps_to_target", "time to target",
     "first logged step whose training loss (loss_avg) is at or below the target: the fp32 "
@@ -86,10 +96,10 @@ ONE_MINUS_COS = Metric(
     "over the fidelity probes")
 
 #: The metrics the report compares, primary first.
-METRICS: tuple[Metric, ...] = (FINAL_EVAL_LOSS, STEPS_TO_TARGET, SKIPPED_STEPS, STRATEGY_OVERHEAD,
+METRICS: tuple[Metric, ...] = (FINAL_PRIMARY, STEPS_TO_TARGET, SKIPPED_STEPS, STRATEGY_OVERHEAD,
                                ACT_ZERO_FRAC, LOST_ENTRIES, ONE_MINUS_COS)
-PRIMARY = FINAL_EVAL_LOSS.column
-METRIC_BY_COLUMN = {m.column: m for m in METRICS}
+PRIMARY = FINAL_PRIMARY.column
+METRIC_BY_COLUMN = {m.column: m for m in (*METRICS, FINAL_EVAL_LOSS, FINAL_REWARD)}
 
 
 def metric(column: str) -> Metric:
@@ -100,3 +110,9 @@ def metric(column: str) -> Metric:
 def label(column: str) -> str:
     """The label of ``column`` (itself when it is not a metric's)."""
     return metric(column).label
+
+
+def primary_name(column: str, higher: bool) -> str:
+    """How a table names a workload's primary metric ``column`` in the report's lower-is-better
+    :data:`FINAL_PRIMARY` column: its label, ``−`` before it where higher is better."""
+    return ("−" if higher else "") + label(column)

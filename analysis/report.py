@@ -9,7 +9,7 @@ figures (:mod:`analysis.figures`) and writes into ``--out`` (default ``reports/c
   mode (:mod:`analysis.block_section`), run statuses, figures and method notes;
 * ``results.csv`` — one row per workload × precision × strategy (counts by status, every
   metric's mean/IQM with 95 % intervals, rank); ``comparisons.csv`` (each strategy vs native,
-  per metric, and vs the fp32 run of the same seed on final eval loss), ``runs.csv`` (one row
+  per metric, and vs the fp32 run of the same seed on the primary metric), ``runs.csv`` (one row
   per run, failed/diverged/incomplete included, with ``steps_to_target``) and
   ``which_strategy_when.csv`` (per regime × precision: the best strategy, its paired effects
   and why; :mod:`analysis.when`), also the first table of the verdict, and

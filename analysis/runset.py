@@ -37,7 +37,8 @@ import pandas as pd
 
 from experiments.schema import (DIAGNOSIS_FIELDS, DIAGNOSIS_NAME, EVAL_FIELDS, FIDELITY_FIELDS,
                                 KIND_EVAL, KIND_FIDELITY, KIND_TRAIN, METRICS_NAME,
-                                SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS, coerce)
+                                PRIMARY_BETTER, SUMMARY_FIELDS, SUMMARY_NAME, TRAIN_FIELDS,
+                                cell_of, coerce, primary_of)
 
 from analysis.records import (MAX_NAME, as_float, cell, classify, coerce_fields, cut, describe_bad,
                               finite_mean, line_problem, segments_note, workload_of)
@@ -149,6 +150,7 @@ class Builder:
             found.append(describe_bad(f"{run_dir}/{DIAGNOSIS_NAME}", diag_bad))
         for col, key in DIAGNOSIS_COLUMNS.items():
             rec[col] = diag.get(key) if diag.get(key) is not None else rec.get(col)
+        _label_run(rec, src)
         rec["status"] = classify(summary)
         rec["summary_status"] = None if summary is None else summary.get("status")
         rec["workload"] = workload_of(src)
@@ -334,6 +336,22 @@ def exp_range(hist: Any) -> tuple[float | None, float | None]:
     if lo is None or not math.isfinite(lo) or not used:
         return None, None
     return lo + used[0], lo + used[-1]
+
+
+def _label_run(rec: dict[str, Any], src: Mapping[str, Any]) -> None:
+    """The run's report identity: ``primary`` (the summary field its workload is ranked by,
+    :func:`experiments.schema.primary_of`), ``final_primary`` (that value, lower is better: a
+    higher-is-better metric such as the rl reward enters negated), ``strategy_option`` (the
+    strategy option as recorded) and ``strategy`` = option + ``cell`` (the court's
+    ``native-keep_head_fp32`` is a row of its own, not one more ``native`` run)."""
+    rec["primary"] = primary_of(src)
+    value = as_float(src.get(rec["primary"]))
+    rec["final_primary"] = None if value is None else (
+        -value if PRIMARY_BETTER[rec["primary"]] == "higher" else value)
+    rec["strategy_option"] = rec["strategy"]
+    cell = cut(cell_of(src), MAX_NAME)
+    if cell and rec["strategy"] is not None:
+        rec["strategy"] = f"{rec['strategy']}{cell}"
 
 
 def _sort_key(col: pd.Series) -> pd.Series:

@@ -18,7 +18,7 @@ import pandas as pd
 from analysis import figures as F
 from analysis.document import Document
 from analysis.figures.overview import overview_figure
-from analysis.metrics import (ACT_ZERO_FRAC, FINAL_EVAL_LOSS, METRICS, PRIMARY, SKIPPED_STEPS,
+from analysis.metrics import (ACT_ZERO_FRAC, FINAL_PRIMARY, METRICS, PRIMARY, SKIPPED_STEPS,
                               STEPS_TO_TARGET, STRATEGY_OVERHEAD, metric)
 from analysis.records import STATUSES
 from analysis.runset import RunSet
@@ -26,7 +26,7 @@ from analysis.stats import SEED
 from analysis.tables import BASELINE
 from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci, fmt_p, human, pct
-from analysis.verdict import cell_verdict, overall_verdict, phrase
+from analysis.verdict import cell_verdict, overall_verdict, phrase, primary_words
 from analysis.when import CROSS_CAPTION, cross_rows, cross_verdict, order_text, table_rows
 from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE, TIE, TOO_FEW
 
@@ -35,7 +35,7 @@ __all__ = ["Comparison", "PAIRED_CAPTION", "Verdicts", "bench_section", "compari
            "overview_section", "ranking_section", "status_section", "verdict_section",
            "verdicts"]
 
-LOSS = FINAL_EVAL_LOSS.label
+LOSS = FINAL_PRIMARY.label
 
 
 @dataclass
@@ -96,7 +96,7 @@ def verdict_section(doc: Document, c: Comparison, v: Verdicts) -> None:
             f"*{CLEARLY_WORSE}* on an "
             f"earlier metric is not counted. No best where none is {CLEARLY_BETTER}: the row "
             "then says what the paired readings say. Δ = strategy − baseline per seed, mean "
-            "[95% CI]; against fp32 it is the final-eval-loss gap to the fp32 run of the same "
+            f"[95% CI]; against fp32 it is the gap in the {LOSS} to the fp32 run of the same "
             "seed. Cells without `native` (controls) are compared with fp32 only."))
     for cols, rows, caption in v.cross_tables:
         doc.table(cols, rows, caption=caption)
@@ -112,7 +112,7 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame
     merged = merged.sort_values(["workload", "precision", "rank", f"{PRIMARY}_mean", "strategy"],
                                 na_position="last")
     shown = (SKIPPED_STEPS, STRATEGY_OVERHEAD, ACT_ZERO_FRAC)
-    cols = ["workload", "precision", "rank", "strategy", "runs ok/div/fail/inc",
+    cols = ["workload", "precision", "rank", "strategy", "runs ok/div/fail/inc", "ranked by",
             f"{LOSS} mean [95% CI]", "IQM [95% CI]",
             f"{STEPS_TO_TARGET.label} ({STEPS_TO_TARGET.unit})", *(m.label for m in shown)]
     rows = []
@@ -123,6 +123,7 @@ def _ranking_rows(summary: pd.DataFrame, ranks: pd.DataFrame
             "–" if pd.isna(r["rank"]) else str(int(r["rank"])) + ("=" if r["tied_with"] else ""),
             code(r["strategy"]),
             f"{r['n_completed']}/{r['n_diverged']}/{r['n_failed']}/{r['n_incomplete']}",
+            primary_words(r),
             fmt_ci(r[f"{c}_mean"], r[f"{c}_mean_lo"], r[f"{c}_mean_hi"]),
             fmt_ci(r[f"{c}_iqm"], r[f"{c}_iqm_lo"], r[f"{c}_iqm_hi"]),
             _reached(r),
@@ -147,7 +148,8 @@ def ranking_section(doc: Document, c: Comparison) -> None:
     cols, rows = _ranking_rows(c.summary, c.ranks)
     doc.table(cols, rows, caption=(
         "Per workload × precision × strategy, over seeds: mean [95% BCa bootstrap CI]. "
-        f"Rank on {LOSS}; `=` marks a tie (intervals overlap); a strategy with any "
+        f"Rank on the {LOSS} each workload declares (ranked by: a higher-is-better metric, the "
+        "rl reward, enters negated); `=` marks a tie (intervals overlap); a strategy with any "
         "diverged run ranks below those without. Runs: completed/diverged/failed/incomplete — "
         "statistics use completed runs only. Lower is better in every column."))
 

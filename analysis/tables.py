@@ -85,6 +85,9 @@ def summarize(runs: pd.DataFrame, metrics: Sequence[Metric] = METRICS, *, n_boot
     for keys, group in runs.groupby(GROUP_KEYS, dropna=False, sort=True):
         row: dict[str, object] = dict(zip(GROUP_KEYS, keys))
         row.update(_status_counts(group))
+        if "primary" in group:  # the workload's primary metric by name (one per workload)
+            named = group["primary"].dropna()
+            row["primary"] = str(named.mode().iloc[0]) if len(named) else None
         for m in metrics:
             v = metric_values(group, m.column)
             c = m.column

@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import (ACT_ZERO_FRAC, FINAL_EVAL_LOSS, PRIMARY, SKIPPED_STEPS,
-                              STRATEGY_OVERHEAD)
+from experiments.schema import PRIMARY_BETTER
+
+from analysis.metrics import (ACT_ZERO_FRAC, FINAL_PRIMARY, PRIMARY, SKIPPED_STEPS,
+                              STRATEGY_OVERHEAD, primary_name)
 from analysis.paired import min_wilcoxon_p
 from analysis.tables import BASELINE
 from analysis.targets import REFERENCE_PRECISION
@@ -15,9 +17,9 @@ from analysis.text import code, fmt, fmt_ci, fmt_p, pct
 from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, TOO_FEW,
                             NOT_COMPARABLE, PHRASES, TIE, WORSE_FEW)
 
-__all__ = ["cell_verdict", "comparison", "evidence", "overall_verdict", "phrase"]
+__all__ = ["cell_verdict", "comparison", "evidence", "overall_verdict", "phrase", "primary_words"]
 
-LOSS = FINAL_EVAL_LOSS.label
+LOSS = FINAL_PRIMARY.label
 
 
 def phrase(reading: str, baseline: str = BASELINE) -> str:
@@ -43,6 +45,15 @@ def evidence(c: pd.Series) -> str:
             f"(Holm) = {fmt_p(c.paired_t_p_holm)}, Wilcoxon p = {fmt_p(c.wilcoxon_p)}")
 
 
+def primary_words(row: pd.Series) -> str:
+    """The primary metric of a summary row's workload in words: ``primary metric (−final
+    reward)`` where the workload declared one (``experiments.schema.PRIMARY_BETTER``)."""
+    name = row.get("primary")
+    if not isinstance(name, str) or name not in PRIMARY_BETTER:
+        return LOSS
+    return f"{LOSS} ({primary_name(name, PRIMARY_BETTER[name] == 'higher')})"
+
+
 def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd.DataFrame,
                   comps: pd.DataFrame) -> str:
     """One paragraph for a workload × precision: the top tier on the primary metric, its paired
@@ -60,11 +71,12 @@ def cell_verdict(workload: str, precision: str, ranks: pd.DataFrame, summary: pd
     names = ", ".join(code(s) for s in top)
     lead = row(top[0])
     loss = fmt_ci(lead[f"{PRIMARY}_mean"], lead[f"{PRIMARY}_mean_lo"], lead[f"{PRIMARY}_mean_hi"])
+    what = primary_words(lead)
     if len(top) == 1:
-        parts.append(f"{where}: {code(top[0])} reached the lowest {LOSS}, {loss} "
+        parts.append(f"{where}: {code(top[0])} reached the lowest {what}, {loss} "
                      f"(mean [95% CI], {int(lead[f'{PRIMARY}_n'])} seeds).")
     else:
-        parts.append(f"{where}: {names} are tied for the lowest {LOSS} (their 95% "
+        parts.append(f"{where}: {names} are tied for the lowest {what} (their 95% "
                      f"intervals overlap; best mean {loss}).")
     for s in top:
         c = comparison(comps, workload, precision, s)
@@ -147,7 +159,7 @@ def _nanmean(col: pd.Series) -> float:
 
 
 def _opening(comps: pd.DataFrame | None) -> str:
-    """The verdict's first words: the strategies clearly better than ``native`` on final eval loss
+    """The verdict's first words: the strategies clearly better than ``native`` on the primary metric
     in some comparison, or — none being so — that nothing beat it (readings of too few seeds
     named, not counted) and the advice to keep it."""
     if comps is None or comps.empty:
@@ -173,14 +185,14 @@ def overall_verdict(summary: pd.DataFrame, ranks: pd.DataFrame,
                     comps: pd.DataFrame | None = None) -> str:
     """One paragraph: which strategy keeps training healthiest and at what cost.
 
-    Health, in this order: fewest diverged runs; most often in the top tier of final eval loss
+    Health, in this order: fewest diverged runs; most often in the top tier of the primary metric
     (over the reduced-precision workload×precision cells where more than one strategy ran: bf16
     runs only ``none`` and would crown it by default); fewest skipped steps; smallest
     activation-gradient zero fraction (the underflow loss scaling exists to prevent). Cost: the
     strategy's share of step time — shown, never a criterion (wall-clock time moves with machine
     load, issue 30). Strategies that read the same on every criterion (as written) tie: the paragraph names them all,
-    never the first in some order. When no strategy is clearly better than ``native`` on final
-    eval loss in any cell ('better in these seeds, but too few seeds' is named, not counted), the
+    never the first in some order. When no strategy is clearly better than ``native`` on the
+    primary metric in any cell ('better in these seeds, but too few seeds' is named, not counted), the
     paragraph opens by saying so and advises keeping ``native`` — the pick that follows is then
     made by the secondary criteria among strategies the seeds cannot separate (issue 30)."""
     low = ranks[ranks["precision"] != REFERENCE_PRECISION].dropna(subset=["rank"])

@@ -2,7 +2,7 @@
 paired effect against ``native`` and against the fp32 run of the same seed, and a one-line
 reason made from the numbers (issue 12, item 5).
 
-**The order in which the metrics are read** (:data:`ORDER`): final eval loss, then time to
+**The order in which the metrics are read** (:data:`ORDER`): the primary metric (final eval loss; −reward on rl), then time to
 target, then lost gradient entries, then 1 − cosine to fp32, then skipped steps. (The
 activation-gradient zero fraction is not read: it counts structural zeros such as ReLU's too;
 lost gradient entries measure the underflow against fp32 directly. Strategy overhead is wall-clock
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.metrics import (FINAL_EVAL_LOSS, LOST_ENTRIES, ONE_MINUS_COS, PRIMARY,
+from analysis.metrics import (FINAL_PRIMARY, LOST_ENTRIES, ONE_MINUS_COS, PRIMARY,
                               SKIPPED_STEPS, STEPS_TO_TARGET, label)
 from analysis.profiles import cross_workload
 from analysis.tables import BASELINE, identified
@@ -47,9 +47,9 @@ __all__ = ["COLUMNS", "CROSS_CAPTION", "ORDER", "cross_rows", "cross_verdict",
            "cross_workload_table", "order_text", "table_rows", "which_strategy_when"]
 
 #: The metrics the verdict reads, in this order.
-ORDER = tuple(m.column for m in (FINAL_EVAL_LOSS, STEPS_TO_TARGET, LOST_ENTRIES, ONE_MINUS_COS,
+ORDER = tuple(m.column for m in (FINAL_PRIMARY, STEPS_TO_TARGET, LOST_ENTRIES, ONE_MINUS_COS,
                                  SKIPPED_STEPS) if not m.timing)
-LOSS = FINAL_EVAL_LOSS.label
+LOSS = FINAL_PRIMARY.label
 
 COLUMNS = ["workload", "regime", "precision", "best_strategy", "tied", "strategy_shown",
            "decided_by",

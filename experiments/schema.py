@@ -45,6 +45,8 @@ __all__ = [
     "FIDELITY_FIELDS",
     "Field",
     "METRICS_NAME",
+    "PRIMARY_BETTER",
+    "PRIMARY_DEFAULT",
     "STATUSES",
     "SUMMARY_FIELDS",
     "SUMMARY_NAME",
@@ -54,7 +56,9 @@ __all__ = [
     "TRACE_NAME",
     "TRAIN_FIELDS",
     "coerce",
+    "cell_of",
     "coerce_row",
+    "primary_of",
 ]
 
 METRICS_NAME = "metrics.jsonl"
@@ -205,6 +209,8 @@ SUMMARY_FIELDS = _fields(
     Field("final_eval_metric", float, "eval metric at the end", optional=True),
     Field("final_reward", float, "rl workload: eval_reward at the end (the court's primary metric for rl)",
           optional=True),
+    Field("primary", str, "the summary field this run's workload is ranked by (its regime.primary, declared by "
+          "the workload: a key of PRIMARY_BETTER, which says whether higher or lower is better)", optional=True),
     Field("skipped_steps", int, "optimizer steps skipped"),
     Field("mean_step_time_s", float, "mean step time after warm-up", optional=True),
     Field("strategy_overhead_s", float, "mean per-step strategy time", optional=True),
@@ -217,6 +223,8 @@ SUMMARY_FIELDS = _fields(
     Field("diverged", bool, "status == diverged"),
     Field("survived", bool, "status == completed: the run trained to its last step (not diverged, stalled or "
           "failed); a running summary says false"),
+    Field("cell", str, "the experiment's label of a setting that is not a strategy option alone (the run "
+          "option cell, e.g. the court's -keep_head_fp32): the run is its own row, strategy + cell", optional=True),
     Field("keep_fp32", "str_list", "modules the model ran in fp32 under autocast (model.keep_fp32; the "
           "keep-module-in-fp32 remedy)", optional=True),
     Field("fingerprint", "dict", "git_sha, git_dirty, config, overrides, torch_version, device, hostname"),
@@ -224,6 +232,35 @@ SUMMARY_FIELDS = _fields(
           "(the checkpoint step it resumed from, 0 for the first), steps (its train.steps), git_sha, git_dirty, "
           "torch_version, device, hostname (SEGMENT_KEYS)", optional=True),
 )
+
+PRIMARY_BETTER = {"final_eval_loss": "lower", "final_reward": "higher"}
+"""The summary fields a workload may be ranked by (``regime.primary``) and which way is better:
+the eval loss (lower), the rl workload's final reward (higher; issue 30's court)."""
+PRIMARY_DEFAULT = "final_eval_loss"
+
+
+def primary_of(summary: Mapping[str, Any]) -> str:
+    """The primary metric of a run from its summary: its ``primary`` where it is a key of
+    :data:`PRIMARY_BETTER`; for a record written before that field existed, ``final_reward``
+    where the summary holds one (only the rl workload wrote it, and ranked by it), else
+    :data:`PRIMARY_DEFAULT`."""
+    named = summary.get("primary")
+    if isinstance(named, str) and named in PRIMARY_BETTER:
+        return named
+    return "final_reward" if _number(summary.get("final_reward")) is not None else PRIMARY_DEFAULT
+
+
+def cell_of(summary: Mapping[str, Any]) -> str:
+    """The run's ``cell`` label from its summary; for a record written before that field existed,
+    the ``cell`` of the resolved config in its ``fingerprint`` (the court set it there); else ``""``."""
+    named = summary.get("cell")
+    if isinstance(named, str):
+        return named
+    fingerprint = summary.get("fingerprint")
+    config = fingerprint.get("config") if isinstance(fingerprint, Mapping) else None
+    named = config.get("cell") if isinstance(config, Mapping) else None
+    return named if isinstance(named, str) else ""
+
 
 SEGMENT_KEYS = ("start_step", "steps", "git_sha", "git_dirty", "torch_version", "device", "hostname")
 """The keys of one ``segments`` entry of ``summary.json`` (and of the checkpoint's ``segments``)."""

@@ -12,8 +12,9 @@ Per cell:
 
 * **P(run survives)** = k / n, k runs completed out of the n that ended (``incomplete`` runs are
   left out), with its Clopper–Pearson 95 % interval (:func:`analysis.stats.clopper_pearson`);
-* the **primary metric** (``final_reward`` on ``rl``, higher is better; ``final_eval_loss`` on
-  ``finetune``, lower is better): mean over completed runs [BCa interval]; **Δ against GradScaler**
+* the **primary metric**, as the workload declares it (``regime.primary``, carried by each run's
+  ``summary.json`` ``primary``; :func:`primary_for`): ``final_reward`` on ``rl``, higher is
+  better; ``final_eval_loss`` on ``finetune``, lower is better: mean over completed runs [BCa interval]; **Δ against GradScaler**
   (the fp16 ``native`` cell) and **Δ against fp32** (strategy ``none`` at fp32), per seed
   ``cell − baseline``, mean [95 % CI]. A run that did not survive (diverged, stalled) loses its
   seed: it enters ``P(better)`` and the Wilcoxon ranks as worse than any finished run and is left
@@ -41,16 +42,18 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import FINAL_EVAL_LOSS
+from experiments.schema import PRIMARY_BETTER, PRIMARY_DEFAULT
+
+from analysis.metrics import label
 from analysis.paired import holm, paired_stats, reading
 from analysis.stats import bootstrap_ci, clopper_pearson
 from analysis.text import code, fmt_ci
 from analysis.words import CLEARLY_BETTER, CLEARLY_WORSE
 
 __all__ = ["BASE_CELL", "COURT_CELLS", "COURT_STRATEGIES", "CourtCell", "KEEP_CELL", "LOST",
-           "MIN_SEEDS", "PRIMARY_OF", "Primary", "REF_CELL", "Verdict", "cell_name", "court_cells",
+           "MIN_SEEDS", "Primary", "WORKLOADS", "REF_CELL", "Verdict", "cell_name", "court_cells",
            "court_rows",
-           "format_row", "is_inconclusive", "per_seed", "recommend"]
+           "format_row", "is_inconclusive", "per_seed", "primary_for", "recommend"]
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,18 @@ class Primary:
         return -1.0 if self.higher else 1.0
 
 
-#: The primary metric of each court workload (the regime name of its runs).
-PRIMARY_OF = {"rl": Primary("final_reward", "final reward", higher=True),
-              "finetune": Primary(FINAL_EVAL_LOSS.column, FINAL_EVAL_LOSS.label, higher=False)}
+#: The court's workloads (regime names of its runs), in page order.
+WORKLOADS = ("rl", "finetune")
+
+
+def primary_for(runs: pd.DataFrame, workload: str) -> Primary:
+    """The primary metric ``workload``'s runs carry (the ``primary`` column, from each summary
+    through :func:`experiments.schema.primary_of`; the most common where runs disagree), its
+    direction from :data:`experiments.schema.PRIMARY_BETTER`; ``final_eval_loss`` with no runs."""
+    wl = runs[runs["regime"] == workload] if "regime" in runs else runs.iloc[:0]
+    named = wl["primary"].dropna() if "primary" in wl else pd.Series(dtype=object)
+    column = str(named.mode().iloc[0]) if len(named) else PRIMARY_DEFAULT
+    return Primary(column, label(column), higher=PRIMARY_BETTER[column] == "higher")
 
 #: The fp16 strategy options of the court, in ``conf/experiment/court.yaml``'s order.
 COURT_STRATEGIES = ("native", "verl", "areal", "oat", "megatron", "static8", "min_scale_1e-10",
@@ -122,8 +134,8 @@ def court_cells(runs: pd.DataFrame, workload: str) -> dict[str, CourtCell]:
     if wl.empty:
         return {}
     keep = wl["keep_fp32"] if "keep_fp32" in wl else pd.Series(None, index=wl.index)
-    names = [cell_name(str(s), str(p), k) for s, p, k in
-             zip(wl["strategy"], wl["precision"], keep)]
+    option = wl["strategy_option"] if "strategy_option" in wl else wl["strategy"]
+    names = [cell_name(str(s), str(p), k) for s, p, k in zip(option, wl["precision"], keep)]
     return {n: CourtCell(n, g) for n, g in wl.groupby(pd.Series(names, index=wl.index))}
 
 

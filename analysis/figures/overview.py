@@ -1,8 +1,8 @@
 """The report at a glance (issue 30, item 7): one picture of strategy × regime, each cell's paired
 reading against ``native`` with its Δ — what the comparison tables say, in one look.
 
-One panel per metric of :data:`PANELS` that has a comparison: final eval loss (the primary
-metric) and lost gradient entries against fp32 (the underflow scaling exists to prevent). Rows:
+One panel per metric of :data:`PANELS` that has a comparison: each workload's primary metric (final eval loss,
+or −reward on rl) and lost gradient entries against fp32 (the underflow scaling exists to prevent). Rows:
 strategies; columns: workload × precision below fp32. A cell's colour is its reading from
 ``comparisons.csv`` (:func:`analysis.paired.reading`) in three kinds — *clearly better* (green),
 *clearly worse* (red), and everything else a **tie** at these seeds (grey: the too-few-seeds and
@@ -18,7 +18,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from analysis.figures.common import REFERENCE_PRECISION, Figure, slug, subplots
-from analysis.metrics import FINAL_EVAL_LOSS, LOST_ENTRIES, Metric
+from analysis.metrics import FINAL_PRIMARY, LOST_ENTRIES, Metric
 from analysis.tables import BASELINE
 from analysis.text import fmt
 from analysis.words import (CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE, NOT_COMPARABLE, TIE,
@@ -26,7 +26,7 @@ from analysis.words import (CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE, NOT_CO
 
 __all__ = ["KINDS", "PANELS", "kind_of", "overview_figure"]
 
-PANELS: tuple[Metric, ...] = (FINAL_EVAL_LOSS, LOST_ENTRIES)
+PANELS: tuple[Metric, ...] = (FINAL_PRIMARY, LOST_ENTRIES)
 #: The cell kinds, their colours and legend words: no run, baseline, better, tie, worse, n/a.
 KINDS = (("", "#ffffff"), ("baseline", "#d9d9d9"), (CLEARLY_BETTER, "#7fc97f"),
          (TIE, "#f0f0f0"), (CLEARLY_WORSE, "#f08080"), (NOT_COMPARABLE, "#ffffff"))

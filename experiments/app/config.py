@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import schema
 from experiments.app import recipe
 from experiments.app.build import ConfigError, check_targets, one_line
 from strategies import validation as v
@@ -168,6 +169,9 @@ class RegimeConfig(Options):
     spike_steps: frozenset[int] = hp(frozenset(), _steps, "scalelab",
                                      "steps whose backward loss is also multiplied by spike_factor")
     spike_factor: float = hp(1.0, v.number(0.0, 1e12, "(]"), "scalelab", "the extra multiplier of a spike step")
+    primary: str = hp(schema.PRIMARY_DEFAULT, v.named(*schema.PRIMARY_BETTER), "scalelab; issue 30",
+                      "the summary field reports rank this workload by (schema.PRIMARY_BETTER: which way is better); "
+                      "declared by the workload (conf/workload/rl.yaml: final_reward)")
 
     def multiplier(self, step: int) -> float:
         """``m`` of ``step``: ``loss_multiplier``, times ``spike_factor`` on a spike step."""
@@ -194,6 +198,8 @@ class RunConfig(Options):
     threads: Optional[int] = hp(None, v.optional(v.whole(1, 1024)), "torch.set_num_threads",
                                 "intra-op CPU threads (null = torch default); use 1 per job for parallel CPU sweeps")
     sweep: str = hp("adhoc", _text, "scalelab", "sweep name: W&B group and summary.json sweep")
+    cell: str = hp("", _text, "scalelab; issue 30", "label of a setting that is not a strategy option alone "
+                   "(the court's -keep_head_fp32): summary.json cell; reports show strategy + cell as its own row")
     tags: tuple[str, ...] = hp((), _strings, "scalelab", "extra W&B tags")
     train: TrainConfig
     regime: RegimeConfig

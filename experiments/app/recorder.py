@@ -70,7 +70,8 @@ class Recorder:
                  names: dict[str, str], device: torch.device, main: bool, plan: ResumePlan) -> None:
         self.run, self.rundir, self.resolved, self.names, self.main = run, rundir, resolved, names, main
         self.metrics_path, self.summary_path = rundir.path / schema.METRICS_NAME, rundir.path / schema.SUMMARY_NAME
-        self.head = {**names, "seed": run.seed, "sweep": run.sweep}
+        self.head = {**names, "seed": run.seed, "sweep": run.sweep, "primary": run.regime.primary,
+                     **({"cell": run.cell} if run.cell else {})}
         self.fingerprint = records.fingerprint(resolved, overrides, str(device))
         self.counters: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "consecutive_skips": 0, "timed_steps": 0,
                                          "step_time_sum": 0.0, "strategy_time_sum": 0.0}

@@ -20,8 +20,8 @@ import yaml
 from scipy import stats as sps
 
 from analysis.court.page import main
-from analysis.court.readings import (COURT_CELLS, COURT_STRATEGIES, PRIMARY_OF, cell_name,
-                                     court_cells, court_rows, recommend)
+from analysis.court.readings import (COURT_CELLS, COURT_STRATEGIES, cell_name, court_cells,
+                                     court_rows, primary_for, recommend)
 from analysis.load import load_runs
 from experiments.schema import SUMMARY_FIELDS, SUMMARY_NAME
 from tests.experiments.runs import TINY, cli
@@ -33,14 +33,14 @@ SEEDS = range(6)
 def _run(root: Path, workload: str, strategy: str, seed: int, value: float, *,
          precision: str = "fp16", status: str = "completed", keep: list[str] | None = None,
          skipped: int = 0, lost: float = 0.1) -> None:
-    primary = PRIMARY_OF[workload].column
+    primary = {"rl": "final_reward", "finetune": "final_eval_loss"}[workload]  # conf/workload/*.yaml
     cell = f"{precision}-{strategy}" + ("-keep_head_fp32" if keep else "")
     d = root / workload / cell / f"seed{seed}"
     d.mkdir(parents=True)
     summary = {"status": status, "strategy": strategy, "precision": precision,
                "model": "gpt_pretrained", "data": "rl_vowels", "regime": workload,
                "workload": f"gpt_pretrained/rl_vowels/{workload}", "seed": seed, "sweep": "court",
-               "steps": 400, "final_eval_loss": 2.0, primary: value,
+               "steps": 400, "final_eval_loss": 2.0, primary: value, "primary": primary,
                "skipped_steps": skipped, "fidelity_lost_frac_mean": lost,
                "diverged": status == "diverged", "survived": status == "completed",
                "fingerprint": {"git_sha": "abc"}}
@@ -110,8 +110,11 @@ def test_a_cell_with_no_runs_says_so(tmp_path: Path) -> None:
     text = _page(tmp_path, root, "--quick")
     assert "**QUICK pass**" in text
     assert re.search(r"\| `verl` \| no runs \|", text)
-    missing = re.search(r"No runs: (.*)\.", text).group(1)
+    missing = re.search(r"Not run in the QUICK pass \(the full court only, `make court`\): (.*)\.",
+                        text).group(1)
     assert "`oat`" in missing and "`areal`" not in missing and "`native`" not in missing
+    assert "QUICK pass** (`make court QUICK=1`: 6 seeds, 400 steps" in text  # from the runs
+    assert re.search(r"No runs: [^\n]*`oat`", _page(tmp_path, root))  # the full court: missing
     assert "No runs of `finetune` under the directory" in text
 
 
@@ -121,7 +124,8 @@ def test_the_numbers_match_plain_restatements(tmp_path: Path) -> None:
     _run(root, "rl", "static8", 0, 0.1, status="diverged")
     for s in SEEDS[1:]:
         _run(root, "rl", "static8", s, written["native"][s] + 0.01, skipped=3, lost=0.3)
-    rows = court_rows(court_cells(load_runs([root]).runs, "rl"), PRIMARY_OF["rl"])
+    runs = load_runs([root]).runs
+    rows = court_rows(court_cells(runs, "rl"), primary_for(runs, "rl"))
     rows = rows.set_index("cell")
     d = np.array(written["areal"]) - np.array(written["native"])
     assert rows.loc["areal", "d_native"] == pytest.approx(d.mean(), rel=1e-12)
@@ -144,7 +148,8 @@ def test_a_cell_that_loses_a_seed_is_not_recommended_over_one_that_survives(tmp_
     _run(root, "rl", "areal", 0, 0.0, status="diverged")
     for s in SEEDS[1:]:
         _run(root, "rl", "areal", s, written["native"][s] + 0.2)
-    v = recommend(court_cells(load_runs([root]).runs, "rl"), PRIMARY_OF["rl"])
+    runs = load_runs([root]).runs
+    v = recommend(court_cells(runs, "rl"), primary_for(runs, "rl"))
     assert v.leader == "verl"
 
 
@@ -176,15 +181,22 @@ def test_a_missing_directory_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize("quick", [True, False])
 def test_make_court_runs_every_sweep_then_writes_the_page_the_same_way(quick: bool) -> None:
     """``make -n court``: per workload the three sweeps of court.yaml's header into one
-    directory, then the page; QUICK only adds court.yaml's QUICK overrides and the label."""
+    directory, then the page; QUICK adds the Makefile's QUICK overrides, runs a subset of the
+    fp16 cells of court.yaml and the fp32 reference only, and labels the page."""
     args = ["make", "-n", "-C", str(ROOT), "court", *(["QUICK=1"] if quick else [])]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     sweep = "runs/court_quick" if quick else "runs/court"
     trains = [line for line in out.splitlines() if "scalelab-train -m" in line]
-    assert len(trains) == 3 and all(f"hydra.sweep.dir={sweep}" in t for t in trains)
+    assert len(trains) == (2 if quick else 3) and all(f"hydra.sweep.dir={sweep}" in t for t in trains)
     assert ("seed=0,1,2 train.steps=400" in out) == quick
-    assert "'model.keep_fp32=[head]' cell=-keep_head_fp32" in trains[1]
-    assert "precision=fp32,bf16 strategy=none" in trains[2]
+    if quick:
+        cells = re.search(r" strategy=(\S+) ", trains[0])[1].split(",")
+        assert set(cells) < set(COURT_STRATEGIES) and {"native", "areal", "none"} <= set(cells)
+        assert "keep_fp32" not in out and "precision=fp32 strategy=none" in trains[1]
+    else:
+        assert " strategy=" not in trains[0]  # court.yaml's 12 cells
+        assert "'model.keep_fp32=[head]' cell=-keep_head_fp32" in trains[1]
+        assert "precision=fp32,bf16 strategy=none" in trains[2]
     assert "for wl in rl finetune" in out and "+experiment=court_$wl" in trains[0]
     page = f"python -m analysis.court {sweep} --page docs/court.md"
     assert page + (" --quick" if quick else "") in out and ("--quick" in out) == quick
@@ -204,5 +216,6 @@ def test_the_page_of_a_tiny_real_court(tmp_path: Path) -> None:
     text = _page(tmp_path, sweep, "--quick")
     for cell in ("native", "areal", "fp32"):
         assert re.search(rf"\| `{re.escape(cell)}` \| 3/3: 1.00 \[0.29, 1.00\] \|", text), cell
-    assert "No runs of `finetune`" in text and "`verl`" in re.search(r"No runs: (.*)", text)[1]
+    assert "No runs of `finetune`" in text and "`verl`" in re.search(r"Not run in the QUICK pass[^:]*: (.*)",
+                                                                     text)[1]
     assert _verdict(text).startswith(("recommended: `", "tie: `"))  # 2 cells of 3 seeds each

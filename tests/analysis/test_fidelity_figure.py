@@ -53,11 +53,11 @@ def test_every_cell_of_the_default_comparison_gets_its_paired_figure():
             for strategy in arms:
                 for seed in range(3):
                     rows.append(dict(workload=f"gpt/c/{regime}", precision=prec, strategy=strategy, seed=seed,
-                                     status="completed", final_eval_loss=3.0 + 0.1 * seed + 0.01 * len(strategy)))
+                                     status="completed", final_primary=3.0 + 0.1 * seed + 0.01 * len(strategy)))
     for strategy in ("native", "max_ema"):
         for seed in range(3):
             rows.append(dict(workload="gpt/c/plain", precision="fp8_e5m2", strategy=strategy, seed=seed,
-                             status="completed", final_eval_loss=3.0 + seed))
+                             status="completed", final_primary=3.0 + seed))
     names = sorted(f.name for f in paired_difference_figures(pd.DataFrame(rows)))
     assert names == sorted(["paired-gpt-c-plain-fp16", "paired-gpt-c-plain-fp8-e5m2", "paired-gpt-c-spikes-fp16",
                             "paired-gpt-c-tiny-grad-fp16"])

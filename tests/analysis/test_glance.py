@@ -75,11 +75,11 @@ def test_every_reading_maps_to_better_tie_or_worse() -> None:
 def test_the_overview_cells_say_the_table_s_readings() -> None:
     comps = pd.DataFrame([
         dict(workload="m/d/a", precision="fp16", strategy="x", baseline="native",
-             metric="final_eval_loss", reading=CLEARLY_BETTER, paired_diff=-0.25),
+             metric="final_primary", reading=CLEARLY_BETTER, paired_diff=-0.25),
         dict(workload="m/d/b", precision="fp16", strategy="x", baseline="native",
-             metric="final_eval_loss", reading=NO_DIFFERENCE, paired_diff=0.01),
+             metric="final_primary", reading=NO_DIFFERENCE, paired_diff=0.01),
         dict(workload="m/d/a", precision="fp16", strategy="y", baseline="native",
-             metric="final_eval_loss", reading=CLEARLY_WORSE, paired_diff=0.5)])
+             metric="final_primary", reading=CLEARLY_WORSE, paired_diff=0.5)])
     with figure_rc():
         f = overview_figure(comps)
     ax = f.fig.axes[0]

@@ -626,7 +626,7 @@ def test_many_seeds_in_one_cell(tmp_path, capsys):
     res = pd.read_csv(tmp_path / "out" / "results.csv").set_index(["precision", "strategy"])
     assert res.loc[("fp16", "max_ema"), "n_completed"] == 150
     comps = pd.read_csv(tmp_path / "out" / "comparisons.csv")
-    poi = comps[(comps["strategy"] == "max_ema") & (comps["metric"] == "final_eval_loss")
+    poi = comps[(comps["strategy"] == "max_ema") & (comps["metric"] == "final_primary")
                 & (comps["baseline"] == "native")]
     assert poi["poi"].item() == 1.0 and poi["poi_lo"].item() == 1.0
     _still_compares(md)

@@ -226,7 +226,7 @@ def test_analysis_keys_come_from_the_schema():
     """Every per-run metric the report compares is a summary field of experiments.schema, a
     per-run aggregate of a train-line field the loader computes, or the time to target (from
     the schema's train-line ``loss_avg``/``loss``, :mod:`analysis.targets`)."""
-    from experiments.schema import SUMMARY_FIELDS, TRAIN_FIELDS
+    from experiments.schema import PRIMARY_BETTER, SUMMARY_FIELDS, TRAIN_FIELDS
 
     from analysis.runset import SUMMARY_COLUMNS, TRAIN_SCALARS
     from analysis.metrics import METRICS
@@ -235,9 +235,10 @@ def test_analysis_keys_come_from_the_schema():
     assert set(SUMMARY_COLUMNS) == set(SUMMARY_FIELDS) - {"fingerprint", "segments"}
     assert set(TRAIN_SCALARS) <= set(TRAIN_FIELDS)
     assert {"loss", "loss_avg"} <= set(TRAIN_SCALARS)
+    assert set(PRIMARY_BETTER) <= set(SUMMARY_FIELDS)  # final_primary: one of these, signed
     for m in METRICS:
         assert (m.column in SUMMARY_FIELDS or m.column.removesuffix("_mean") in TRAIN_FIELDS
-                or m.column == COLUMN), m
+                or m.column in (COLUMN, "final_primary")), m
 
 
 def test_metrics_read_limits_keep_every_whole_line_before_them(tmp_path: Path):

@@ -100,7 +100,7 @@ def test_results_csv_has_one_row_per_group(report: Path, sweep):
     assert not res.duplicated(["workload", "precision", "strategy"]).any()
     fp16 = res[(res["precision"] == "fp16") & res["workload"].notna()].set_index("strategy")
     assert fp16["rank"].to_dict() == {"max_ema": 1, "layerwise": 2, "native": 3, "none": 4}
-    assert {"final_eval_loss_mean_lo", "final_eval_loss_iqm_hi", "skipped_steps_mean",
+    assert {"final_primary_mean_lo", "final_primary_iqm_hi", "skipped_steps_mean",
             "strategy_overhead_frac_mean", "act_zero_frac_mean_mean"} <= set(res.columns)
 
 
@@ -156,7 +156,7 @@ def test_report_without_baseline_or_finished_runs_still_renders(tmp_path: Path):
     build_report([tmp_path / "s"], tmp_path / "o", n_boot=100)
     md = (tmp_path / "o" / "report.md").read_text(encoding="utf-8")
     assert "not comparable (too few finished runs)" in md
-    assert "detectably lower final eval loss than `native`" not in md
+    assert "detectably lower primary metric than `native`" not in md
     # no native at all: an empty comparison table (with its columns) and no claim about native
     runs = load_runs(tmp_path / "s").runs
     runs = runs[runs["strategy"] != "native"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import FINAL_EVAL_LOSS, STRATEGY_OVERHEAD
+from analysis.metrics import FINAL_PRIMARY, STRATEGY_OVERHEAD
 from analysis.tables import compare_to_baseline
 from analysis.verdict import overall_verdict
 from analysis.when import ORDER, table_rows, which_strategy_when
@@ -62,14 +62,14 @@ def _timing_runs(seeds: int = 6) -> pd.DataFrame:
     for s in range(seeds):
         for name, over in (("native", 0.2 + 0.01 * s), ("fast", 0.05 + 0.01 * s)):
             rows.append({"workload": "w", "regime": "r", "precision": "fp16", "strategy": name,
-                         "seed": s, "status": "completed", "final_eval_loss": 2.0 + 0.1 * s,
+                         "seed": s, "status": "completed", "final_primary": 2.0 + 0.1 * s,
                          STRATEGY_OVERHEAD.column: over})
     return pd.DataFrame(rows)
 
 
 def test_a_wall_clock_metric_is_never_read_and_names_no_winner() -> None:
     runs = _timing_runs()
-    comps = compare_to_baseline(runs, metrics=[FINAL_EVAL_LOSS, STRATEGY_OVERHEAD], n_boot=200)
+    comps = compare_to_baseline(runs, metrics=[FINAL_PRIMARY, STRATEGY_OVERHEAD], n_boot=200)
     over = comps[comps["metric"] == STRATEGY_OVERHEAD.column].iloc[0]
     assert over["paired_diff_hi"] < 0 and over["reading"] == TIMING  # the data would say "clearly"
     row = which_strategy_when(runs, comps).iloc[0]
@@ -83,7 +83,7 @@ def _board(order: list[str], overhead: dict[str, float]) -> tuple[pd.DataFrame, 
                              "n_diverged": 0, "n_failed": 0, "n_other": 0, "n_runs": 3,
                              "skipped_steps_mean": 0.0, "act_zero_frac_mean_mean": 0.1,
                              "strategy_overhead_frac_mean": overhead[s],
-                             "final_eval_loss_n": 6} for s in order])
+                             "final_primary_n": 6} for s in order])
     ranks = pd.DataFrame({"workload": "w", "precision": "fp16", "strategy": order, "rank": 1})
     return summary, ranks
 
@@ -107,7 +107,7 @@ def test_the_overall_verdict_reads_an_exact_tie_as_a_tie_and_ignores_overhead() 
 
 def _loss_readings(readings: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame([{"workload": "w", "precision": "fp16", "strategy": s, "baseline": "native",
-                          "metric": "final_eval_loss", "reading": r} for s, r in readings.items()])
+                          "metric": "final_primary", "reading": r} for s, r in readings.items()])
 
 
 def test_the_verdict_says_plainly_when_nothing_beats_gradscaler_and_a_lone_control_crowns_nobody() -> None:
@@ -122,8 +122,8 @@ def test_the_verdict_says_plainly_when_nothing_beats_gradscaler_and_a_lone_contr
     ranks_alone = pd.DataFrame({"workload": ["a", "b", "c"], "precision": "bf16", "strategy": "none", "rank": 1})
     text = overall_verdict(pd.concat([summary, alone]), pd.concat([ranks, ranks_alone]),
                            _loss_readings({"none": BETTER_FEW, "static": NO_DIFFERENCE}))
-    assert text.startswith("**Verdict:** nothing beat `native` (torch's GradScaler) on final eval loss")
+    assert text.startswith("**Verdict:** nothing beat `native` (torch's GradScaler) on primary metric")
     assert "too few seeds to call: `none`" in text and "keep `native`" in text
-    assert "top tier for final eval loss in 1 of 1" in text  # the lone bf16 cells are not counted
+    assert "top tier for primary metric in 1 of 1" in text  # the lone bf16 cells are not counted
     clear = overall_verdict(summary, ranks, _loss_readings({"static": CLEARLY_BETTER, "none": NO_DIFFERENCE}))
-    assert clear.startswith("**Verdict:** beating `native` on final eval loss in at least one comparison: `static`.")
+    assert clear.startswith("**Verdict:** beating `native` on primary metric in at least one comparison: `static`.")

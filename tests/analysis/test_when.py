@@ -45,7 +45,7 @@ def test_one_rule_clearly_beats_native_and_the_report_says_so_first(sweep, tmp_p
     when = pd.read_csv(tmp_path / "o" / "which_strategy_when.csv", keep_default_na=False)
     assert list(when["precision"]) == ["fp16"]  # fp32 cells have no row
     row = when.iloc[0]
-    assert (row["best_strategy"], row["decided_by"]) == ("max_ema", "final_eval_loss")
+    assert (row["best_strategy"], row["decided_by"]) == ("max_ema", "final_primary")
     assert row["vs_native_reading"] == CLEARLY_BETTER and float(row["vs_native_diff"]) < -0.1
     # 0.5 vs the reference's 0.45, independent draws of sd 0.01, 3 seeds, Holm over 4 rules
     assert row["vs_fp32_reading"] in (CLEARLY_WORSE, WORSE_FEW)
@@ -54,9 +54,9 @@ def test_one_rule_clearly_beats_native_and_the_report_says_so_first(sweep, tmp_p
     md = (tmp_path / "o" / "report.md").read_text(encoding="utf-8")
     verdict = md.split("## Verdict", 1)[1].split("\n## ", 1)[0]
     assert verdict.index("| regime | precision | best strategy |") < verdict.index("**Verdict:**")
-    assert ("final eval loss, then time to target, then lost gradient entries, then 1 - cosine "
+    assert ("primary metric, then time to target, then lost gradient entries, then 1 - cosine "
             "to fp32, then skipped steps") in verdict and "then strategy overhead" not in verdict
-    assert "| `plain` | `fp16` | `max_ema` | final eval loss |" in verdict
+    assert "| `plain` | `fp16` | `max_ema` | primary metric |" in verdict
     assert "The loss gap to fp32" in md and "time to target (steps)" in md
 
 
@@ -95,7 +95,7 @@ def test_final_loss_ties_but_fidelity_decides(tmp_path):
     assert (row["best_strategy"], row["decided_by"]) == ("max_ema", "fidelity_lost_frac_mean")
     assert row["vs_native_reading"] == CLEARLY_BETTER
     assert row["vs_native_diff"] == pytest.approx(-0.02, rel=0.2)
-    assert row["reason"].startswith("nothing clearly better on final eval loss, time to target; "
+    assert row["reason"].startswith("nothing clearly better on primary metric, time to target; "
                                     "the only rule clearly better than `native` on lost gradient")
 
 

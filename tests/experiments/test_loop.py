@@ -27,7 +27,7 @@ SUMMARY_KEYS = {
     "status", "error", "strategy", "precision", "model", "data", "regime", "workload", "seed", "sweep",
     "steps", "final_train_loss", "final_eval_loss", "best_eval_loss", "final_eval_metric",
     "skipped_steps", "mean_step_time_s", "strategy_overhead_s", "strategy_overhead_frac", "diverged",
-    "survived", "fingerprint", "segments",
+    "survived", "fingerprint", "segments", "primary",  # cell only when the run option is set
 }
 
 
@@ -51,7 +51,7 @@ def test_run_record_follows_the_documented_format(tmp_path: Path) -> None:
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert summary["status"] == "completed" and summary["steps"] == 20 and summary["diverged"] is False
-    assert summary["survived"] is True
+    assert summary["survived"] is True and summary["primary"] == "final_eval_loss"  # the default workload's
     assert summary["workload"] == "mlp/vectors/plain" and summary["seed"] == 3 and summary["strategy"] == "native"
     assert summary["final_eval_loss"] == evals[-1]["eval_loss"]
     assert summary["best_eval_loss"] == min(e["eval_loss"] for e in evals)
