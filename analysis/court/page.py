@@ -82,7 +82,7 @@ def workload_section(doc: Document, runs: pd.DataFrame, workload: str, quick: bo
     doc.p(f"**fp16 setting for `{workload}`:** {v.text}.")
     df = court_rows(cells, p)
     records = df.to_dict("records")
-    doc.table(_columns(p), [format_row(r, p) for r in records], caption=(
+    doc.table(_columns(p), [format_row(r, p) for r in records if r.get("n")], caption=(  # missing: listed below
         "Δ = cell − baseline per seed (paired: seeds share init, data and rollouts), mean "
         "[95% BCa bootstrap CI]; a run that did not survive loses its seed (left out of the "
         "mean Δ). P(run survives): completed / ended runs with its Clopper–Pearson interval. "
