@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
 import pandas as pd
 
 from analysis.load import load_runs
 from analysis.metrics import FINAL_EVAL_LOSS, LOST_ENTRIES, SKIPPED_STEPS
 from analysis.paired import paired_stats
+from analysis.text import write_atomic
 
 __all__ = ["METRICS", "main", "page", "settings", "table"]
 
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     tab = table(load_runs(args.run_dir).runs)
     command = "python -m analysis.stats_schedule " + " ".join(sys.argv[1:] if argv is None else argv)
     text = page(tab, command, args.cost)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text, encoding="utf-8")
+    write_atomic(args.out, text)
     print(text)
     return 0
 

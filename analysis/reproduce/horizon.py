@@ -20,7 +20,7 @@ from typing import Sequence
 
 from analysis.document import Document, write_document
 from analysis.reproduce.claims.base import Claim, Finding
-from analysis.reproduce.page import ClaimResult, evaluate_claim, fmt_estimate, read_record
+from analysis.reproduce.page import ClaimResult, evaluate_claim, fmt_estimate, read_record, runs_line
 from analysis.text import code
 
 __all__ = ["build_horizon_page", "changed", "write_horizon_page"]
@@ -68,7 +68,7 @@ def build_horizon_page(long: Sequence[ClaimResult], short: dict[str, ClaimResult
           "rules are the main page's.")
     rows = _rows(long, short)
     moved = sum(1 for row in rows if row[4].startswith("yes"))
-    compared = sum(1 for row in rows if row[4] in ("no",) or row[4].startswith("yes"))
+    compared = sum(1 for row in rows if row[4] != "–")  # "–": no standard-horizon finding, or no finding
     doc.h(1, "Summary")
     doc.p(f"{moved} of {compared} verdicts compared change at the long horizon.")
     if rows:
@@ -82,9 +82,7 @@ def build_horizon_page(long: Sequence[ClaimResult], short: dict[str, ClaimResult
         doc.h(1, f"{k}. {c.name}: {c.title}")
         doc.p(f"**What acts at the long horizon.** {c.horizon}")
         doc.p(f"**Overrides added to every sweep:** {code(' '.join(c.long), 400)}.")
-        total = sum(r.statuses.values())
-        counts = ", ".join(f"{n} {status}" for status, n in r.statuses.items()) or "none"
-        doc.p(f"**Runs:** {total} under {code(f'{out}/{c.name}')} ({counts}).")
+        doc.p(runs_line(r, out))
     return doc
 
 

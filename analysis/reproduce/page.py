@@ -31,7 +31,7 @@ from analysis.text import code, fmt, write_atomic
 from analysis.words import EVAL_ERROR, INCONCLUSIVE, NOT_REPRODUCED, NOT_RUN, REPRODUCED
 
 __all__ = ["ClaimResult", "RECORD_NAME", "build_page", "evaluate_claim", "fmt_estimate",
-           "larger_command", "read_record", "record_start", "record_sweep", "train_args",
+           "larger_command", "read_record", "record_start", "record_sweep", "runs_line", "train_args",
            "write_page"]
 
 RECORD_NAME = "reproduce.json"
@@ -180,7 +180,8 @@ def _summary_rows(results: Sequence[ClaimResult]) -> list[list[str]]:
     return rows
 
 
-def _runs_line(r: ClaimResult, out: str) -> str:
+def runs_line(r: ClaimResult, out: str) -> str:
+    """``**Runs:** N under <out>/<claim> (counts by status); experiment <name>.`` (or none)."""
     where = code(f"{out}/{r.claim.name}")
     if not r.statuses:
         return f"**Runs:** none under {where}."
@@ -203,7 +204,7 @@ def _section(doc: Document, k: int, r: ClaimResult, out: str) -> None:
                    for f in r.findings], caption="**Findings.**")
     if r.problem:
         doc.p(f"**{r.verdict.capitalize()}:** {r.problem}")
-    doc.p(_runs_line(r, out))
+    doc.p(runs_line(r, out))
     if r.sweeps:
         doc.p("**Sweeps run:**")
         doc.bullets([f"{code(s.get('command', '?'), 400)}: exit {s.get('rc', '?')}"
