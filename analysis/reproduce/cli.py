@@ -65,8 +65,10 @@ def select_claims(names: str | None, claims: Sequence[Claim]) -> list[Claim]:
 
 
 def sweep_args(claim: Claim, out: str | Path, quick: bool, long: bool = False) -> list[list[str]]:
-    """The ``scalelab-train`` arguments of every sweep of ``claim`` (one list per ``Claim.sweeps`` entry)."""
-    return [train_args(claim, out, sweep, quick, long) for sweep in claim.sweeps]
+    """The ``scalelab-train`` arguments of every sweep of ``claim`` (one list per ``Claim.sweeps``
+    entry; under ``long``, per ``Claim.long_sweeps`` entry where the claim names them)."""
+    sweeps = claim.long_sweeps if long and claim.long_sweeps else claim.sweeps
+    return [train_args(claim, out, sweep, quick, long) for sweep in sweeps]
 
 
 def train_env(base: Mapping[str, str]) -> dict[str, str]:

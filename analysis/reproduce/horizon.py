@@ -82,6 +82,10 @@ def build_horizon_page(long: Sequence[ClaimResult], short: dict[str, ClaimResult
         doc.h(1, f"{k}. {c.name}: {c.title}")
         doc.p(f"**What acts at the long horizon.** {c.horizon}")
         doc.p(f"**Overrides added to every sweep:** {code(' '.join(c.long), 400)}.")
+        if c.long_sweeps:
+            doc.p(f"**Sweeps at this horizon:** {len(c.long_sweeps)} of the claim's {len(c.sweeps)} (the others "
+                  "only at the standard horizon): " + "; ".join(code(" ".join(s) or "(the experiment's grid)", 200)
+                                                              for s in c.long_sweeps) + ".")
         doc.p(runs_line(r, out))
     return doc
 

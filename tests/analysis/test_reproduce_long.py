@@ -40,6 +40,28 @@ def test_long_sweeps_add_the_claims_long_overrides_last() -> None:
     assert reproduce.sweep_args(GOOD_LONG, "o", quick=False) == reproduce.sweep_args(GOOD, "o", quick=False)
 
 
+def test_long_sweeps_run_only_the_named_sweeps_under_long(tmp_path: Path) -> None:
+    one = GOOD.sweeps[-1:]
+    cut = dataclasses.replace(GOOD_LONG, long_sweeps=one)
+    assert reproduce.sweep_args(cut, "o", quick=False, long=True) == [
+        ["-m", "+experiment=repro_good", "hydra.sweep.dir=o/good", *one[0], *LONG]]
+    assert reproduce.sweep_args(cut, "o", quick=False) == reproduce.sweep_args(GOOD, "o", quick=False)
+    with pytest.raises(ValueError, match="long_sweeps needs long"):
+        dataclasses.replace(GOOD, long_sweeps=one)
+
+
+def test_the_long_page_names_the_sweeps_a_cut_claim_ran(monkeypatch, tmp_path: Path) -> None:
+    cut = dataclasses.replace(GOOD_LONG, long_sweeps=GOOD.sweeps[-1:])
+    monkeypatch.setattr(registry, "CLAIMS", [cut])
+    long, doc = tmp_path / "long", tmp_path / "long.md"
+    write_sweep(long / "good", SweepSpec(seeds=SEEDS))
+    assert reproduce.main(["--long", "--report-only", "--out", str(long), "--baseline", str(tmp_path / "none"),
+                           "--doc", str(doc)]) == 0
+    text = doc.read_text(encoding="utf-8")
+    assert f"**Sweeps at this horizon:** 1 of the claim's {len(GOOD.sweeps)}" in text
+    assert " ".join(GOOD.sweeps[-1]) in text
+
+
 def test_long_and_quick_together_are_refused(claims, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         reproduce.main(["--long", "--quick"])

@@ -94,6 +94,8 @@ class Claim:
       horizon at which the claim's mechanism acts, e.g. a 1024-step amax history filled or a
       2000-step growth interval reached) and one sentence saying what acts there; a claim
       without ``long`` has no such mechanism and ``--long`` leaves it out;
+    * ``long_sweeps`` — the sweeps ``--long`` runs when not all of ``sweeps`` (e.g. one workload
+      of two, where the other would cost hours of CPU); empty (the default): ``sweeps``;
     * ``factors`` — config paths (``optimizer.lr``, ``strategy.init_scale``, ``model.qk_norm``)
       that tell the arms apart beyond strategy/precision/workload; each becomes a column;
     * ``evaluate`` — :class:`ClaimRuns` to findings;
@@ -113,6 +115,7 @@ class Claim:
     quick: tuple[str, ...] = ()
     long: tuple[str, ...] = ()
     horizon: str = ""
+    long_sweeps: tuple[tuple[str, ...], ...] = ()
     factors: tuple[str, ...] = ()
     experiment: str = ""
     order: int = 0
@@ -122,6 +125,8 @@ class Claim:
             object.__setattr__(self, "experiment", f"repro_{self.name}")
         if bool(self.long) != bool(self.horizon):
             raise ValueError(f"claim {self.name!r}: long and horizon go together (the overrides and what acts there)")
+        if self.long_sweeps and not self.long:
+            raise ValueError(f"claim {self.name!r}: long_sweeps needs long (the overrides that reach the horizon)")
 
 
 def _dig(cfg: Any, path: str) -> Any:

@@ -230,5 +230,14 @@ CLAIM = Claim(
     # --quick: 2 seeds x 5 steps, one eval batch (~70 CPU-s for the six sweeps, mostly process
     # start-up): every finding reads "inconclusive" (fewer than MIN_PAIRS seeds); it checks the plumbing.
     quick=("seed=0,1", "train.steps=5", "train.log_every=5", "train.hist_every=5", "train.eval_batches=1"),
+    # --long: the GPT's three sweeps only; cnn_deep's 50 runs at 2400 steps would add ~1.5 h of CPU
+    # (44 ms a step in its standard runs on this 2-core box, two jobs at once).
+    long=("train.steps=2400", "train.lr_warmup=100", "train.log_every=50", "train.hist_every=600"),
+    long_sweeps=tuple((*GPT, *a) for a in _ARMS),
+    horizon=("The dynamic arm is torch's GradScaler (init 2^16, growth interval 2000): in 40 steps it can only "
+             "back off, so without an overflow it is static 2^16 under another name. At 2400 steps (warm-up 100, "
+             "cosine decay) it may double after 2000 clean steps and back off on the overflow that follows; "
+             "and the fp32 histogram pools steps 600, 1200, 1800 and 2400, the whole course of training "
+             "rather than its first 40 steps, as Fig. 3 pools SSD's training."),
     factors=("loss_scale",),
 )
