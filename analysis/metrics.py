@@ -34,7 +34,12 @@ class Metric:
     Both are left out of means either way. ``timing``: a wall-clock measurement, which machine
     load moves between runs of the same code: it is shown but never read as a difference
     (:data:`analysis.words.TIMING`), never decides a verdict and never names a winner (issue 30;
-    speed is measured side by side by ``scalelab-bench``)."""
+    speed is measured side by side by ``scalelab-bench``).
+    ``negligible``: the smallest paired difference worth naming, in the metric's unit; a
+    comparison whose whole interval lies inside ``±negligible`` reads
+    :data:`analysis.words.NEGLIGIBLE` and never names a winner (0: every detected difference is
+    named). Runs are deterministic per seed, so a difference far below anything that matters
+    can still be statistically certain."""
 
     column: str
     label: str
@@ -44,6 +49,7 @@ class Metric:
     diverged_loses: bool = False
     inf_loses: bool = False
     timing: bool = False
+    negligible: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.noun:
@@ -67,7 +73,8 @@ FINAL_PRIMARY = Metric(
     "each workload's own primary metric at the end of training, as the workload declares it "
     "(summary.json `primary`, conf/workload/*.yaml `regime.primary`): the final eval loss (nats), "
     "or on `rl` minus the final reward, so that lower is better in every column and a higher "
-    "reward ranks first", diverged_loses=True)
+    "reward ranks first; a difference under 1e-4 (nats, or reward on a 0-1 scale) is negligible",
+    diverged_loses=True, negligible=1e-4)
 STEPS_TO_TARGET = Metric(
     "steps_to_target", "time to target",
     "first logged step whose training loss (loss_avg) is at or below the target: the fp32 "
@@ -84,16 +91,18 @@ STRATEGY_OVERHEAD = Metric(
 ACT_ZERO_FRAC = Metric(
     "act_zero_frac_mean", "act-grad zero fraction",
     "fraction of activation-gradient elements that are exactly zero (underflow plus "
-    "structural zeros such as ReLU), averaged over layers and logged steps", unit="fraction",
-    noun="activation-gradient zeros")
+    "structural zeros such as ReLU), averaged over layers and logged steps; a difference under "
+    "0.01 percentage points is negligible", unit="fraction", noun="activation-gradient zeros", negligible=1e-4)
 LOST_ENTRIES = Metric(
     "fidelity_lost_frac_mean", "lost gradient entries",
     "fraction of gradient entries nonzero in fp32 but zero in mixed precision, mean over the "
-    "fidelity probes (train.fidelity_every)", unit="fraction")
+    "fidelity probes (train.fidelity_every); a difference under 0.01 percentage points is negligible",
+    unit="fraction", negligible=1e-4)
 ONE_MINUS_COS = Metric(
     "fidelity_one_minus_cos_mean", "1 - cosine to fp32",
     "1 - cosine similarity of the unscaled mixed-precision gradient and the fp32 gradient, mean "
-    "over the fidelity probes")
+    "over the fidelity probes; a difference under 1e-6 is negligible (fp16's rounding alone, unit "
+    "roundoff u = 2^-11 with errors uniform in ±u, gives 1 - cos ≈ u²/6 ≈ 4e-8)", negligible=1e-6)
 
 #: The metrics the report compares, primary first.
 METRICS: tuple[Metric, ...] = (FINAL_PRIMARY, STEPS_TO_TARGET, SKIPPED_STEPS, STRATEGY_OVERHEAD,

@@ -28,6 +28,10 @@ finite one), and is left out of the mean difference and the t-test; other status
 * **better / worse in these seeds, but too few seeds** — not clearly, but the interval of the mean
   difference excludes 0 (or, when only diverged seeds differ, the interval of P(better) excludes
   ½), and most seeds moved that way;
+* **negligible difference** — one of the above, but the whole interval of the mean difference lies
+  inside ``±negligible``, the metric's smallest effect worth naming
+  (:attr:`analysis.metrics.Metric.negligible`): deterministic runs can make a difference of
+  1e-7 in 1 − cosine statistically certain, and it must not name a winner;
 * **no detectable difference** — otherwise; **not comparable** — fewer than 2 paired seeds.
 
 The t-test makes the call possible at 3–5 seeds; the Wilcoxon condition keeps one outlying seed
@@ -44,7 +48,7 @@ import numpy as np
 from scipy import stats as sps
 
 from analysis.stats import LEVEL, N_BOOT, SEED, bootstrap_ci, clopper_pearson
-from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NEGLIGIBLE, NO_DIFFERENCE,
                             NOT_COMPARABLE, WORSE_FEW)
 
 __all__ = ["ALPHA", "PAIRED_COLUMNS", "holm", "min_wilcoxon_p", "paired_stats", "reading"]
@@ -134,9 +138,10 @@ def min_wilcoxon_p(n: int) -> float:
     return 2.0 / 2.0 ** n if n > 0 else 1.0
 
 
-def reading(row: dict[str, float]) -> str:
+def reading(row: dict[str, float], negligible: float = 0.0) -> str:
     """The words for one paired comparison (the rule in the module docstring); ``row`` holds
-    :data:`PAIRED_COLUMNS` with ``paired_t_p_holm`` filled in."""
+    :data:`PAIRED_COLUMNS` with ``paired_t_p_holm`` filled in; ``negligible`` is the metric's
+    smallest effect worth naming (0: every detected effect is named)."""
     n = row["n_pairs"]
     if not n or n < 2:
         return NOT_COMPARABLE
@@ -148,6 +153,8 @@ def reading(row: dict[str, float]) -> str:
         direction = (-1 if row["p_better_lo"] > 0.5 else 1 if row["p_better_hi"] < 0.5 else 0)
     if direction == 0 or (direction < 0) != (p_better > 0.5):
         return NO_DIFFERENCE
+    if negligible > 0 and np.isfinite(lo) and np.isfinite(hi) and -negligible < lo and hi < negligible:
+        return NEGLIGIBLE
     p_w = row["wilcoxon_p"]
     rank_agrees = np.isfinite(p_w) and (p_w < ALPHA or (min_wilcoxon_p(n) >= ALPHA
                                                         and p_w <= min_wilcoxon_p(n) + 1e-12))

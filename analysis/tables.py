@@ -198,7 +198,7 @@ def _compare_all(pairs: list[tuple[tuple[str, str, str], pd.DataFrame, pd.DataFr
     family = ["workload", "precision", "baseline", "metric"]
     df["paired_t_p_holm"] = df.groupby(family, sort=False)["paired_t_p"].transform(
         lambda p: holm(p.to_numpy(dtype=float)))
-    df["reading"] = [TIMING if metric(r["metric"]).timing else reading(r)
+    df["reading"] = [TIMING if metric(r["metric"]).timing else reading(r, metric(r["metric"]).negligible)
                      for r in df.to_dict("records")]
     return df
 

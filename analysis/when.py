@@ -40,7 +40,7 @@ from analysis.tables import BASELINE, identified
 from analysis.targets import REFERENCE_PRECISION
 from analysis.text import code, fmt, fmt_ci
 from analysis.words import (BETTER_ACROSS, BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE,
-                            NO_DIFFERENCE, NOT_COMPARABLE, TIE, TIE_ACROSS, TIMING,
+                            NEGLIGIBLE, NO_DIFFERENCE, NOT_COMPARABLE, TIE, TIE_ACROSS, TIMING,
                             WORSE_ACROSS, WORSE_FEW)
 
 __all__ = ["COLUMNS", "CROSS_CAPTION", "ORDER", "cross_rows", "cross_verdict",
@@ -121,10 +121,12 @@ def _cell(strategies: list[str], comps: pd.DataFrame) -> dict[str, object]:
                                   "strategy"])) if not native.empty else []
     also = f"; worse on {LOSS}: {', '.join(code(s) for s in worse)}" if worse else ""
     readings = set(native["reading"]) if not native.empty else set()
-    if NO_DIFFERENCE in readings:
+    quiet = [w for w in (NO_DIFFERENCE, NEGLIGIBLE) if w in readings]
+    if quiet:
+        words = " or ".join(f"'{w}'" for w in quiet)
         out = _shown(BASELINE, None, ref, "", f"no rule better than `{BASELINE}` on any metric "
-                     f"(every paired reading is '{NO_DIFFERENCE}' or worse){also}")
-        out["vs_native_reading"] = NO_DIFFERENCE
+                     f"(every paired reading is {words} or worse){also}")
+        out["vs_native_reading"] = quiet[0]
         return out
     if readings - {NOT_COMPARABLE}:
         return _shown(BASELINE, None, ref, "", "every comparable paired reading of every other "

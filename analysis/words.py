@@ -21,7 +21,7 @@ from __future__ import annotations
 
 __all__ = ["ACROSS", "BETTER_ACROSS", "BETTER_FEW", "CLEARLY_BETTER", "CLEARLY_WORSE",
            "EVAL_ERROR", "INCONCLUSIVE", "NOT_COMPARABLE", "NOT_REPRODUCED", "NOT_RUN",
-           "NO_DIFFERENCE", "PHRASES", "READINGS", "REPRODUCED", "TIE", "TIE_ACROSS", "TIMING",
+           "NEGLIGIBLE", "NO_DIFFERENCE", "PHRASES", "READINGS", "REPRODUCED", "TIE", "TIE_ACROSS", "TIMING",
            "TOO_FEW", "VERDICTS", "WORSE_ACROSS", "WORSE_FEW"]
 
 # -- paired readings (analysis/paired.py) --------------------------------------------------------
@@ -30,10 +30,11 @@ TOO_FEW = "too few seeds"
 BETTER_FEW = f"better in these seeds, but {TOO_FEW}"
 WORSE_FEW = f"worse in these seeds, but {TOO_FEW}"
 NO_DIFFERENCE = "no detectable difference"
+NEGLIGIBLE = "negligible difference"
 NOT_COMPARABLE = "not comparable"
 TIMING = "not read: wall-clock time moves with machine load"
-READINGS = (CLEARLY_BETTER, CLEARLY_WORSE, BETTER_FEW, WORSE_FEW, NO_DIFFERENCE, NOT_COMPARABLE,
-            TIMING)
+READINGS = (CLEARLY_BETTER, CLEARLY_WORSE, BETTER_FEW, WORSE_FEW, NO_DIFFERENCE, NEGLIGIBLE,
+            NOT_COMPARABLE, TIMING)
 TIE = "tie"
 
 #: The sentence of each reading against a baseline ``{b}`` (the report's verdict).
@@ -43,6 +44,7 @@ PHRASES = {
     BETTER_FEW: f"better than {{b}} in these seeds, but {TOO_FEW} for a significant test",
     WORSE_FEW: f"worse than {{b}} in these seeds, but {TOO_FEW} for a significant test",
     NO_DIFFERENCE: f"{NO_DIFFERENCE} from {{b}}",
+    NEGLIGIBLE: f"only a {NEGLIGIBLE} from {{b}} (below the metric's smallest effect worth naming)",
     NOT_COMPARABLE: f"{NOT_COMPARABLE} (too few finished runs)",
     TIMING: f"{TIMING} (speed: scalelab-bench)",
 }

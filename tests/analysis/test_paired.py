@@ -15,7 +15,7 @@ from analysis.metrics import METRICS, PRIMARY
 from analysis.paired import holm, min_wilcoxon_p, paired_stats, reading
 from analysis.report import build_report
 from analysis.tables import compare_to_baseline, compare_to_reference
-from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NEGLIGIBLE, NO_DIFFERENCE,
                             NOT_COMPARABLE)
 from tests.analysis.synth import SweepSpec, write_sweep
 
@@ -46,6 +46,25 @@ def test_a_small_gain_in_every_seed_is_clearly_better_despite_seed_spread(tmp_pa
     assert c["paired_diff"] == pytest.approx(-gain.mean())
     assert c["wilcoxon_p"] == pytest.approx(2 / 2**8)
     assert c["welch_p"] > 0.5  # unpaired, the seed spread hides the gain entirely
+
+
+def test_a_certain_but_negligible_difference_names_no_winner(tmp_path):
+    """Issue 30 follow-up (docs/findings.md named `static` best on 1 - cosine at -8e-08): a gain
+    in every seed whose whole interval lies inside the metric's negligible band reads
+    NEGLIGIBLE; the same gain with no band, or a band it leaves, is clearly better."""
+    rng = np.random.default_rng(5)
+    native = 2.5 + rng.normal(0.0, 0.3, 8)
+    tiny = 8e-8 + rng.uniform(-5e-9, 5e-9, 8)
+    row = paired_stats(native - tiny, native, n_boot=500)
+    row["paired_t_p_holm"] = row["paired_t_p"]
+    assert reading(row) == CLEARLY_BETTER
+    assert reading(row, negligible=1e-6) == NEGLIGIBLE
+    assert reading(row, negligible=8e-8) == CLEARLY_BETTER  # the interval reaches past the band
+    same = paired_stats(native, native, n_boot=500)
+    assert reading(dict(same, paired_t_p_holm=1.0), negligible=1e-6) == NO_DIFFERENCE
+    runs = _paired_sweep(tmp_path, native, native - 5e-5 - rng.uniform(0, 1e-6, 8))
+    c = compare_to_baseline(runs, n_boot=500).set_index("metric").loc[PRIMARY]
+    assert METRICS[0].negligible == 1e-4 and c["reading"] == NEGLIGIBLE
 
 
 def test_an_alternating_difference_is_not_called(tmp_path):

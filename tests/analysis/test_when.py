@@ -15,7 +15,7 @@ from analysis.metrics import METRICS, label
 from analysis.report import build_report
 from analysis.tables import compare_to_baseline, compare_to_reference
 from analysis.when import ORDER, which_strategy_when
-from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NO_DIFFERENCE,
+from analysis.words import (BETTER_FEW, CLEARLY_BETTER, CLEARLY_WORSE, NEGLIGIBLE, NO_DIFFERENCE,
                             NOT_COMPARABLE, WORSE_FEW)
 from tests.analysis.synth import SweepSpec, write_sweep
 
@@ -126,6 +126,17 @@ def test_the_order_is_lexicographic_and_better_few_is_not_called_best():
     assert row["best_strategy"] == "native" and "`a`" in row["reason"]
     comps = _comps([("a", "native", ORDER[0], NOT_COMPARABLE, float("nan"))])
     assert which_strategy_when(runs, comps).iloc[0]["vs_native_reading"] == NOT_COMPARABLE
+
+
+def test_a_negligible_difference_names_no_winner():
+    """docs/findings.md named `static` best on 1 - cosine by -8e-08: read NEGLIGIBLE, it is no win."""
+    runs = pd.DataFrame({"workload": "w", "regime": "plain", "precision": "fp16",
+                         "strategy": ["native", "a", "b"], "seed": 0, "status": "completed"})
+    comps = _comps([("a", "native", ORDER[3], NEGLIGIBLE, -8e-8),
+                    ("b", "native", ORDER[0], CLEARLY_WORSE, 1.0)])
+    row = which_strategy_when(runs, comps).iloc[0]
+    assert row["best_strategy"] == "" and row["vs_native_reading"] == NEGLIGIBLE
+    assert f"every paired reading is '{NEGLIGIBLE}' or worse" in row["reason"]
 
 
 def test_docs_name_every_metric_and_the_order():
