@@ -27,6 +27,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
+from strategies.host_index import host_tensor
 from strategies.kernels import f32_of_double
 from strategies.layer_groups import overflow_origin
 from strategies.sharding import all_reduce_, local
@@ -69,11 +70,11 @@ def record_(g2: torch.Tensor, n: torch.Tensor, gmax: torch.Tensor, scales: torch
     if not seen:
         return
     dev = g2.device
-    a = torch.tensor([x[0] for x in seen], device=dev)
-    inv = scales.index_select(0, torch.tensor([x[1] for x in seen], device=dev)).reciprocal()
+    a = host_tensor(tuple(x[0] for x in seen), torch.int64, dev)
+    inv = scales.index_select(0, host_tensor(tuple(x[1] for x in seen), torch.int64, dev)).reciprocal()
     sq, size, ext = zip(*(x[2] for x in seen))
     g2.index_add_(0, a, torch.stack(sq) * (inv * inv))
-    n.index_add_(0, a, torch.tensor(size, dtype=n.dtype, device=dev))
+    n.index_add_(0, a, host_tensor(size, n.dtype, dev))
     gmax.scatter_reduce_(0, a, (torch.stack(ext).abs().amax(1) * inv).float(), "amax")
 
 

@@ -73,6 +73,7 @@ from strategies import validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, Trace
 from strategies.graph_walk import fence
+from strategies.host_index import host_tensor
 from strategies.group_links import GroupLinks
 from strategies.params import ScalerParams, hp
 from strategies.schedule import StatsSchedule, hold_update_, stats_step
@@ -308,8 +309,8 @@ class LayerwiseStrategy(Strategy):
         below, above, ext = zip(*self._crossings)
         self._crossings = []
         bad = nonfinite(torch.stack(ext))
-        s.contaminated.scatter_reduce_(0, torch.tensor(below, device=bad.device), bad, "amax")
-        s.emitted.scatter_reduce_(0, torch.tensor(above, device=bad.device), bad, "amax")
+        s.contaminated.scatter_reduce_(0, host_tensor(below, torch.int64, bad.device), bad, "amax")
+        s.emitted.scatter_reduce_(0, host_tensor(above, torch.int64, bad.device), bad, "amax")
 
     def on_unscale(self, optimizer: torch.optim.Optimizer) -> None:
         self._flush_crossings()

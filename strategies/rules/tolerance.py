@@ -47,7 +47,7 @@ import torch
 
 from strategies import validation as v
 from strategies.base import Strategy
-from strategies.floor import FLOOR_FAULT, FloorParams, record_fault_
+from strategies.floor import FLOOR_FAULT, FloorParams, raises, record_fault_
 from strategies.params import ScalerParams, hp
 from strategies.registry import register_strategy
 from strategies.state import State
@@ -146,5 +146,7 @@ class ToleranceStrategy(Strategy):
     )
 
     def update_(self, found_inf: torch.Tensor, stats: GradStats | None) -> None:
+        # the host step number only where a fault can record it (on_min_scale="raise"): a Python value
+        # that changes every step would be frozen into a captured CUDA graph (tests/strategies/test_capturable.py)
         self.run_update("tolerance_update_", tolerance_update_, overflows=self.state.overflows_since_rescale,
-                        found_inf=found_inf, step=self.updates + 1)
+                        found_inf=found_inf, step=self.updates + 1 if raises(self.params) else 0)
