@@ -192,8 +192,8 @@ TRACE_COLUMNS = _fields(
     Field("lr", float, "learning rate"),
     Field("scale.<i>", float, "the scale the step ran at, one per scale group"),
     Field("group_absmax.<i>", float, "abs-max of the unscaled parameter gradients of layer group i"),
-    Field("act_absmax", float, "abs-max of the step's low-precision forward activations (every leaf module's output; "
-          "inf: one overflowed; NaN: not recorded)"),
+    Field("act_absmax", float, "abs-max of the finite entries of the step's low-precision forward activations (every "
+          "leaf module's output; NaN: not recorded)"),
     Field("act_module", float, "index in act_modules of the module holding act_absmax (-1: not recorded)"),
 )
 

@@ -9,14 +9,15 @@ shrinking. :class:`ForwardAbsMax` measures it, per step, without a host read:
 * every leaf module (no children) gets a forward hook; an output (or each tensor of a tuple output)
   of the forward's low-precision dtype (``dtype``, e.g. ``torch.float16`` under fp16 autocast), made
   with autograd on (a training forward, not an evaluation under ``no_grad``), updates that module's
-  slot of a device vector: ``slot = max(slot, ||out||_inf)`` (``torch.linalg.vector_norm(ord=inf)``,
-  one reduction; a NaN reads as an overflow, ``inf``);
+  slot of a device vector: ``slot = max(slot, max |out|)`` over the output's *finite* entries (an
+  attention mask's ``-inf`` is no activation; an overflow itself shows in the step's ``found_inf``
+  and its loss, and the values next to it are what nears the format's max);
 * :meth:`take` returns the step's abs-max over the modules and the index of the module that holds
   it (device tensors) and zeroes the slots for the next step. Outputs in fp32 (an fp32 reference
   pass, a LayerNorm under autocast) are not the low-precision forward's and are left out.
 
-Cost: one ``vector_norm`` over each leaf module's output per training forward, and one
-``max`` per step.
+Cost: per training forward, an ``abs``, an in-place ``nan_to_num`` and an ``amax`` over each leaf
+module's output, and one ``max`` per step.
 """
 
 from __future__ import annotations
@@ -70,17 +71,18 @@ class ForwardAbsMax:
                 if t.dtype != self.dtype or t.numel() == 0:
                     continue
                 with torch.no_grad():
-                    v = torch.linalg.vector_norm(t.detach(), ord=math.inf).float()
+                    a = t.detach().abs().nan_to_num_(0.0, 0.0, 0.0)  # finite entries only: a mask's -inf is no activation
+                    v = a.amax().float()
                     if self._slots is None or self._slots.device != v.device:
                         self._slots = torch.zeros(len(self.names), device=v.device)
                     slot = self._slots[i]
-                    slot.copy_(torch.fmax(slot, torch.nan_to_num(v, nan=math.inf, posinf=math.inf)))
+                    slot.copy_(torch.maximum(slot, v))
                 self._seen = True
         return hook
 
     def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The abs-max of this step's hooked outputs and the index of its module (as float32 device
-        scalars; NaN and -1 when no low-precision output was seen), the slots zeroed for the next step."""
+        """The (finite) abs-max of this step's hooked outputs and the index of its module (as float32
+        device scalars; NaN and -1 when no low-precision output was seen), the slots zeroed for the next step."""
         if not self._seen or self._slots is None:
             return torch.full((), math.nan, device=device), torch.full((), -1.0, device=device)
         amax, index = self._slots.max(dim=0)

@@ -13,7 +13,7 @@ A :class:`Trace` holds, for steps ``1..n`` of one run (or any loop), plain Pytho
 * ``group_absmax`` — abs-max of the unscaled parameter gradients per *layer group* (``groups``:
   the default groups of ``layerwise``, :func:`strategies.layer_groups.resolve`), what per-layer
   rules read;
-* ``act_absmax``, ``act_module`` — the abs-max of the step's low-precision forward activations
+* ``act_absmax``, ``act_module`` — the abs-max of the step's low-precision forward activations (finite entries)
   (every leaf module's output: :mod:`strategies.tracing.activations`) and the index, in
   ``act_modules``, of the module holding it (NaN and -1 when not recorded); ``act_max`` is the
   forward format's largest finite value (65504 for fp16; NaN: not recorded), so that

@@ -18,7 +18,7 @@ shows their effect); "the window's second half" is its last ``ceil(n / 2)`` step
 * ``loss_rise`` — ``ln(mean loss of the window's second half / lowest such mean so far)``
   (non-finite: :data:`CAP`): the loss climbing from its best;
 * ``act_fill`` — ``max forward activation abs-max of the window's second half / the forward format's
-  max`` in [0, 1] (1: an overflow; 0: not recorded): how much of the fp16 range the forward uses,
+  max`` in [0, 1] (0: not recorded): how much of the fp16 range the forward uses,
   ``2^-headroom`` with ``headroom = log2(65504 / amax)`` — the precursor of a forward overflow,
   which the gradients cannot show (a forward overflow's loss is non-finite before any scaling);
 * ``act_growth`` — ``log2(median activation abs-max of the window's second half / lowest such

@@ -1,7 +1,8 @@
 """The trace's forward activation abs-max (``strategies/tracing/activations.py``): each step's value is
-the abs-max over every leaf module's low-precision output, as a plain re-computation of the same
-forward finds it, its module is the one holding it, an overflow reads ``inf``, nothing is read from
-the device per step, and the file format carries it (version 1 traces still read)."""
+the abs-max over the finite entries of every leaf module's low-precision output, as a plain
+re-computation of the same forward finds it, its module is the one holding it, an attention mask's
+``-inf`` is not read, nothing is read from the device per step, and the file format carries it
+(version 1 traces still read)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from tests.helpers import batch, forbid_host_sync, mlp
 def reference_absmax(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, str]:
     """The same fp16-autocast forward, every leaf module's output kept and reduced in plain Python."""
     outs: dict[str, float] = {}
-    handles = [m.register_forward_hook(lambda m, a, o, n=n: outs.__setitem__(n, max(outs.get(n, 0.0), float(o.detach().float().abs().max()))))
-               for n, m in leaf_modules(model)]
+    def keep(name: str, out: torch.Tensor) -> None:
+        finite = [abs(v) for v in out.detach().float().flatten().tolist() if math.isfinite(v)]
+        outs[name] = max(outs.get(name, 0.0), max(finite, default=0.0))
+
+    handles = [m.register_forward_hook(lambda m, a, o, n=n: keep(n, o)) for n, m in leaf_modules(model)]
     with torch.autocast("cpu", dtype=torch.float16):
         model(x)
     for h in handles:
@@ -78,11 +82,26 @@ def test_each_steps_absmax_is_the_largest_leaf_output_of_its_forward(one_thread)
     assert [trace.act_name(j) for j in range(5)] == [n for _, n in expected]
 
 
-def test_an_overflowing_forward_reads_inf_at_its_module(one_thread) -> None:
-    trace, _ = run(mlp(seed=2), 4, gain={3: 1e5})  # x * 1e5 through Linear 0: past 65504 in fp16
-    assert math.isinf(trace.act_absmax[2]) and trace.act_name(2) == "0"
-    assert all(math.isfinite(v) and v > 0 for j, v in enumerate(trace.act_absmax) if j != 2)
-    assert trace.found_inf[2]
+class Masked(torch.nn.Module):
+    """A leaf that masks half its input with ``-inf``, as causal attention logits are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(torch.arange(x.shape[-1]) % 2 == 0, float("-inf"))
+
+
+def test_a_mask_is_not_read_and_an_overflow_reads_as_its_finite_neighbours(one_thread) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), Masked())
+    hooks = ForwardAbsMax(model, torch.float16)
+    x, _ = batch(1)
+    x[0, 0] = 1e6  # the Linear's row 0 passes 65504 in fp16: inf there, finite elsewhere
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model[0](x)
+        model(x)
+    values = out.float().flatten().tolist()
+    assert any(math.isinf(v) for v in values)
+    want = max(abs(v) for v in values if math.isfinite(v))
+    amax, index = hooks.take(torch.device("cpu"))
+    assert float(amax) == want and hooks.names[int(index)] == "0"  # the Linear's finite abs-max, not the mask's -inf
 
 
 def test_fp32_outputs_and_no_hooks_record_nothing(one_thread) -> None:
