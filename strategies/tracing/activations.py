@@ -17,7 +17,8 @@ shrinking. :class:`ForwardAbsMax` measures it, per step, without a host read:
   pass, a LayerNorm under autocast) are not the low-precision forward's and are left out.
 
 Cost: per training forward, an ``abs``, an in-place ``nan_to_num`` and an ``amax`` over each leaf
-module's output, and one ``max`` per step.
+module's output, and one ``max`` per step: +2.8% of the step time on the 2-layer character GPT
+on a CPU (best of three runs each way, ``docs/run-records.md``).
 """
 
 from __future__ import annotations
