@@ -157,7 +157,8 @@ def page(results: dict[str, Any]) -> str:
         "The first alarm logs one line (logger `scalelab.watch`) of the form `scalelab watch: step N: overflows: P% "
         "of the last 16 steps skipped; doctor says: forward overflow at <module>`: the doctor re-runs the alarm's "
         "batch; a forward heading for an overflow reads `forward activations at P% of the format's max (H binades of "
-        "headroom) in <module>`. `Watch` hooks the model's leaf modules for the forward activation abs-max "
+        "headroom) in <module>`, and as it comes before the fault the doctor then says `no fault in this step yet`. "
+        "`Watch` hooks the model's leaf modules for the forward activation abs-max "
         "(`activations=False`: it does not; `watch.close()` takes the hooks off). `watch.replay(strategy)` is "
         "`scalelab-replay` on the run so far; `watch.save(path)` writes its `trace.jsonl`. The tests run all three with "
         "the real packages (`tests/strategies/test_watch.py`).", "",

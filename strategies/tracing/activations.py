@@ -92,6 +92,12 @@ class ForwardAbsMax:
         self._seen = False
         return out
 
+    def reset(self) -> None:
+        """Forget what the hooks saw since the last :meth:`take` (e.g. a diagnostic re-run of a batch)."""
+        if self._slots is not None:
+            self._slots.zero_()
+        self._seen = False
+
     def remove(self) -> None:
         """Take the hooks off the model."""
         for h in self._handles:

@@ -40,7 +40,11 @@ FORWARD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def doctor_words(diagnosis: Any) -> str:
-    """``"forward overflow at blocks.0.scores"`` from a :class:`strategies.doctor.Diagnosis`."""
+    """``"forward overflow at blocks.0.scores"`` from a :class:`strategies.doctor.Diagnosis`; a step
+    the doctor finds healthy (a warning from a precursor, such as the forward headroom, comes before
+    the fault) reads ``"no fault in this step yet"``."""
+    if diagnosis.cause == "healthy":
+        return "no fault in this step yet"
     where = f" at {diagnosis.first_module}" if getattr(diagnosis, "first_module", None) else ""
     return f"{diagnosis.cause.replace('_', ' ')}{where}"
 
@@ -112,7 +116,8 @@ class Watch:
     def _doctor(self, batch: Any) -> str:
         """The doctor on ``batch`` at the current weights and scale; the step's gradients (still in
         ``.grad`` before the loop's ``zero_grad``) are set aside meanwhile, so that it does not read
-        them as gradients never cleared, and put back after."""
+        them as gradients never cleared, and put back after; what the forward hooks saw of its
+        re-runs is dropped."""
         held = {p: p.grad for p in self.model.parameters()}
         for p in held:
             p.grad = None
@@ -124,6 +129,8 @@ class Watch:
         finally:
             for p, g in held.items():
                 p.grad = g
+            if self.recorder.forward is not None:  # the doctor's own forwards are not the next step's
+                self.recorder.forward.reset()
         return doctor_words(self.diagnosis)
 
     def close(self) -> None:

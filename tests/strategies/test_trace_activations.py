@@ -119,6 +119,17 @@ def test_fp32_outputs_and_no_hooks_record_nothing(one_thread) -> None:
         ForwardAbsMax(model, torch.float32)
 
 
+def test_reset_drops_what_the_hooks_saw(one_thread) -> None:
+    model = mlp(seed=2)
+    hooks = ForwardAbsMax(model, torch.float16)
+    x, _ = batch(1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x * 100)  # a diagnostic re-run, say
+        hooks.reset()
+        model(x)
+    assert float(hooks.take(torch.device("cpu"))[0]) == reference_absmax(mlp(seed=2), x)[0]
+
+
 def test_the_file_format_carries_it_and_reads_version_1(one_thread) -> None:
     trace, lines = run(mlp(seed=2), 6)
     read = Trace.from_lines(lines)

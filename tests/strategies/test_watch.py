@@ -81,7 +81,8 @@ def test_the_forward_headroom_warns_before_a_forward_overflow_with_no_skipped_st
     for activations in (True, False):
         model = ffn()
         scaler = strategies.create("native", "cpu", init_scale=2.0**10)
-        watch = Watch(scaler, model, every=1, log=lines.append, detector=Detector(NEAR_MAX), activations=activations)
+        watch = Watch(scaler, model, loss_fn=lambda m, b: mse(m, b) * 1e-9, every=1, log=lines.append,
+                      detector=Detector(NEAR_MAX), activations=activations)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         for step in range(1, 41):
             blow_up(model, model[2].weight, 1.5)
@@ -91,7 +92,7 @@ def test_the_forward_headroom_warns_before_a_forward_overflow_with_no_skipped_st
                 scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-            watch.step(loss, 0.0)
+            watch.step(loss, 0.0, batch(step))
             opt.zero_grad()
         watch.close()
         runs[activations] = watch
@@ -107,7 +108,9 @@ def test_the_forward_headroom_warns_before_a_forward_overflow_with_no_skipped_st
     near = next(j for j, a in enumerate(trace.act_absmax) if a >= 65504 / 2) + 1
     assert runs[True].detector.alarm_step == near < first_skip and not any(trace.found_inf[:near])
     assert lines == [f"scalelab watch: step {near}: forward activations at {100 * trace.act_absmax[near - 1] / 65504:.0f}% "
-                     f"of the format's max ({math.log2(65504 / trace.act_absmax[near - 1]):.2f} binades of headroom) in 2"]
+                     f"of the format's max ({math.log2(65504 / trace.act_absmax[near - 1]):.2f} binades of headroom) in 2; "
+                     "doctor says: no fault in this step yet"]  # the precursor comes before the overflow
+    assert runs[True].diagnosis.cause == "healthy"
     assert runs[False].detector.alarm_step is None and all(math.isnan(a) for a in runs[False].trace().act_absmax)
 
 
