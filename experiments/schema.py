@@ -167,9 +167,10 @@ TRACE_HEADER_FIELDS = _fields(
     Field("scale_groups", "str_list", 'the recording strategy\'s scale groups: one per layer group for per-layer strategies, else ["all"]'),
     Field("format", "dict", "the activation-gradient format: name, max, smallest_normal, smallest_subnormal, saturates"),
     Field("meta", "dict", "strategy, precision, workload, seed, steps, log_every, hist_every of the run"),
-    Field("act_modules", "str_list", "the hooked leaf modules, by name: act_module indexes them (empty: none hooked)"),
-    Field("act_max", float, "the forward format's largest finite value (fp16: 65504); null: no activations recorded",
-          optional=True),
+    Field("act_modules", "str_list", "the hooked leaf modules, by name: act_module indexes them (empty: none hooked; "
+          "absent in version 1)", optional=True),
+    Field("act_max", float, "the forward format's largest finite value (fp16: 65504); null: no activations recorded "
+          "(absent in version 1)", optional=True),
 )
 
 TRACE_FIELDS = _fields(
