@@ -161,12 +161,16 @@ FIDELITY_FIELDS = _fields(
 
 TRACE_HEADER_FIELDS = _fields(
     Field("kind", str, '"trace_header"'),
-    Field("version", int, "the format's version (1)"),
+    Field("version", int, "the format's version (2; 1: rows without the act columns, read as NaN and -1)"),
     Field("groups", "str_list", "the layer groups of the per-group abs-maxes (layerwise's default groups, tied weights merged)"),
     Field("group_numel", "list", "parameter-gradient entries per layer group (ints)"),
     Field("scale_groups", "str_list", 'the recording strategy\'s scale groups: one per layer group for per-layer strategies, else ["all"]'),
     Field("format", "dict", "the activation-gradient format: name, max, smallest_normal, smallest_subnormal, saturates"),
     Field("meta", "dict", "strategy, precision, workload, seed, steps, log_every, hist_every of the run"),
+    Field("act_modules", "str_list", "the hooked leaf modules, by name: act_module indexes them (empty: none hooked; "
+          "absent in version 1)", optional=True),
+    Field("act_max", float, "the forward format's largest finite value (fp16: 65504); null: no activations recorded "
+          "(absent in version 1)", optional=True),
 )
 
 TRACE_FIELDS = _fields(
@@ -189,6 +193,9 @@ TRACE_COLUMNS = _fields(
     Field("lr", float, "learning rate"),
     Field("scale.<i>", float, "the scale the step ran at, one per scale group"),
     Field("group_absmax.<i>", float, "abs-max of the unscaled parameter gradients of layer group i"),
+    Field("act_absmax", float, "abs-max of the finite entries of the step's low-precision forward activations (every "
+          "leaf module's output; NaN: not recorded)"),
+    Field("act_module", float, "index in act_modules of the module holding act_absmax (-1: not recorded)"),
 )
 
 SUMMARY_FIELDS = _fields(

@@ -126,6 +126,8 @@ class TrainConfig(Options):
                              "the fp32 gradient (cosine, relative error, lost entries); 0 = off")
     trace: bool = hp(True, v.flag, "scalelab", "write trace.jsonl: every step's statistics, flushed at the "
                      "logging interval (docs/run-records.md; scalelab-replay reads it)")
+    trace_act: bool = hp(True, v.flag, "scalelab", "with trace, also record each step's forward activation abs-max "
+                         "(forward hooks on the model's leaf modules; the early warning's headroom)")
     zero_grad: bool = hp(True, v.flag, "scalelab", "false: optimizer.zero_grad() does nothing (a loop bug on "
                          "purpose, experiments.app.build.keep_gradients; docs/doctor.md)")
     max_consecutive_skips: int = hp(100, v.whole(0), "scalelab", "this many skipped steps in a row (the scale "

@@ -3,7 +3,9 @@
 :class:`TraceFile` wraps the library's :class:`strategies.tracing.TraceRecorder` (which the step
 feeds: :func:`experiments.app.step.train_step`) and writes its chunks: the header at the start, one
 chunk at every train line (with the activation-gradient histogram of that line, when measured), at
-every checkpoint and at the end. A resumed run first cuts the file back to the checkpoint's step,
+every checkpoint and at the end. Under a low-precision autocast (fp16, bf16, the fp8 modes' bf16) the
+recorder hooks the model's leaf modules for the forward activation abs-max (``act_absmax``;
+``train.trace_act=false``: not recorded). A resumed run first cuts the file back to the checkpoint's step,
 as ``metrics.jsonl`` is cut (rows after it are dropped; a torn last line too). The format is
 :mod:`strategies.tracing.trace`'s; its keys are :data:`experiments.schema.TRACE_FIELDS`.
 """
@@ -35,9 +37,11 @@ def trace_format(precision: Any) -> Format:
 class TraceFile:
     """``trace.jsonl`` of one run directory, fed by a :class:`TraceRecorder` (module docstring)."""
 
-    def __init__(self, path: Path, strategy: Any, model: torch.nn.Module, precision: Any, meta: dict[str, Any]) -> None:
+    def __init__(self, path: Path, strategy: Any, model: torch.nn.Module, precision: Any, meta: dict[str, Any],
+                 act: bool = True) -> None:
         self.path = path
-        self.recorder = TraceRecorder(strategy, model, format=trace_format(precision), meta=meta)
+        self.recorder = TraceRecorder(strategy, model, format=trace_format(precision), meta=meta,
+                                      forward=getattr(precision, "autocast", None) if act else None)
         self._fh: Any = None
 
     def open(self, start_step: int) -> None:
@@ -63,6 +67,7 @@ class TraceFile:
             self._fh.flush()
 
     def close(self) -> None:
+        self.recorder.remove()
         if self._fh is not None:
             self._fh.close()
             self._fh = None
@@ -76,6 +81,7 @@ def start(rec: Any, parts: Any, run_cfg: Any, names: dict[str, str]) -> TraceRec
         return None
     t = run_cfg.train
     meta = {**names, "seed": run_cfg.seed, "steps": t.steps, "log_every": t.log_every, "hist_every": t.hist_every}
-    rec.trace = TraceFile(rec.rundir.path / schema.TRACE_NAME, parts.strategy, parts.raw_model, parts.precision, meta)
+    rec.trace = TraceFile(rec.rundir.path / schema.TRACE_NAME, parts.strategy, parts.raw_model, parts.precision, meta,
+                          act=t.trace_act)
     rec.trace.open(rec.start_step)
     return rec.trace.recorder

@@ -22,11 +22,18 @@ train.grad_clip=0`` completed with no skipped step at L = 0.3 and 1.0 (and at 20
 3e-2): its clipped surrogate loss stays bounded, so neither the loss nor the scale fails; a collapse
 of its reward is not a run status. The scaler alternates with the seed (:func:`strategy_for`:
 ``native`` on even seeds, ``max_ema`` on odd ones; :data:`PINNED` workloads keep one), so that each
-split holds both.
+split holds both. Seeds 0-7: the detector is fitted on :data:`TRAIN_SEEDS` (0-3) and evaluated on
+4-7, 8 workload twins x 6 workloads = 48 runs on each side.
+
+The CPU time of each run trained here (this process's ``time.process_time`` around it) is kept in
+``<out>/costs.json`` (:data:`COSTS`), so that a later command reusing the runs still states what
+the data cost.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +41,7 @@ from experiments.replay import runs
 from experiments.replay.cli import load_trace
 from strategies.tracing import Trace
 
-__all__ = ["FAILED", "Run", "SEEDS", "STRATEGIES", "TRAIN_SEEDS", "WORKLOADS", "collect", "strategy_for"]
+__all__ = ["COSTS", "FAILED", "Run", "SEEDS", "STRATEGIES", "TRAIN_SEEDS", "WORKLOADS", "collect", "strategy_for"]
 
 COMMON = ["logger=none", "train.progress=false", "threads=1", "train.log_every=5", "train.hist_every=0",
           "train.fidelity_every=0", "train.checkpoint_every=0", "train.eval_every=0", "train.eval_batches=1"]
@@ -56,8 +63,10 @@ twin runs at a tenth of it."""
 STRATEGIES = ("native", "max_ema")
 PINNED = {"scale_floor": "native"}
 """Workloads run with one strategy on every seed (``scale_floor``: ``native``'s ``on_min_scale``)."""
-SEEDS = (0, 1, 2, 3)
-TRAIN_SEEDS = (0, 1)
+SEEDS = tuple(range(8))
+TRAIN_SEEDS = (0, 1, 2, 3)
+COSTS = "costs.json"
+"""``{run directory relative to out: {"cpu_s", "wall_s"}}`` of the runs as they were trained."""
 FAILED = ("diverged", "stalled", "failed")
 
 
@@ -73,6 +82,8 @@ class Run:
     trace: Trace
     trained: bool = False
     """Trained by this command (else reused from an earlier one)."""
+    cpu_s: float | None = None
+    """CPU seconds its training took (when it was trained; None: not known)."""
 
     @property
     def failed(self) -> bool:
@@ -96,6 +107,10 @@ def strategy_for(seed: int, workload: str | None = None) -> str:
 def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS) -> list[Run]:
     """Train (or reuse) every labelled run and read its trace."""
     found = []
+    try:
+        costs = json.loads((out / COSTS).read_text())
+    except (OSError, ValueError):
+        costs = {}
     for w in workloads:
         shared, lr = WORKLOADS[w]
         for seed in seeds:
@@ -104,6 +119,13 @@ def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS) -> 
                 d = out / w / ("failing" if failing else "healthy") / strategy / f"seed{seed}"
                 overrides = [*COMMON, *shared, *_lr(lr, failing), f"strategy={strategy}", f"seed={seed}"]
                 trained = runs.finished(d, overrides) is None
+                cpu0, t0 = time.process_time(), time.perf_counter()
                 summary = runs.train(d, overrides)
-                found.append(Run(w, strategy, seed, failing, summary["status"], load_trace(d), trained))
+                key = str(d.relative_to(out))
+                if trained:
+                    costs[key] = {"cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0}
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / COSTS).write_text(json.dumps(costs, indent=1, sort_keys=True))
+                cpu = costs.get(key, {}).get("cpu_s")
+                found.append(Run(w, strategy, seed, failing, summary["status"], load_trace(d), trained, cpu))
     return found

@@ -34,7 +34,7 @@ from experiments.warning import page
 from experiments.warning.data import SEEDS, TRAIN_SEEDS, WORKLOADS, Run, collect
 from strategies.watch.detector import FEATURES, Detector, observations
 
-__all__ = ["L2", "auroc", "evaluate", "fit", "main", "missed", "step_features"]
+__all__ = ["L2", "alarm", "auroc", "evaluate", "fit", "main", "missed", "step_features"]
 
 L2 = 1.0
 FALSE_ALARMS = 0.05
@@ -118,6 +118,16 @@ def _scores(run: Run, model: dict[str, Any]) -> list[float]:
     return Detector(model).run(observations(run.trace))
 
 
+def alarm(run: Run, model: dict[str, Any]) -> tuple[int, str] | None:
+    """The step of the run's first alarm and the warning's words then (None: no alarm)."""
+    det = Detector(model)
+    for o in observations(run.trace):
+        det.update(o)
+        if det.alarm_step is not None:
+            return det.alarm_step, det.reason()
+    return None
+
+
 def auroc(pos: list[float], neg: list[float]) -> float:
     """P(a positive outscores a negative), ties counting half (Mann-Whitney)."""
     if not pos or not neg:
@@ -129,7 +139,7 @@ def auroc(pos: list[float], neg: list[float]) -> float:
 def evaluate(runs: list[Run], model: dict[str, Any]) -> dict[str, Any]:
     """AUROC at a lead of 20% of the horizon, detection, lead and false alarms on ``runs``."""
     twins = {(r.workload, r.strategy, r.seed, r.failing): r for r in runs}
-    pos, neg, detected, leads, alarms, healthy = [], [], 0, [], 0, 0
+    pos, neg, detected, leads, alarms, healthy, false = [], [], 0, [], 0, 0, []
     for r in runs:
         scores = _scores(r, model)
         steps = r.trace.steps
@@ -146,15 +156,21 @@ def evaluate(runs: list[Run], model: dict[str, Any]) -> dict[str, Any]:
             twin = twins.get((r.workload, r.strategy, r.seed, not r.failing))
             cut = math.floor((1 - LEAD) * twin.end) if twin is not None and twin.failed else steps[-1]
             neg.append(max([s for st, s in zip(steps, scores) if st <= cut], default=0.0))
-            alarms += max(scores) >= model["threshold"]
+            if max(scores) >= model["threshold"]:
+                alarms += 1
+                step, words = alarm(r, model) or (None, "")
+                false.append({"workload": r.workload, "seed": r.seed, "strategy": r.strategy, "step": step,
+                              "end": r.end, "reason": words})
     failing = sum(r.failed for r in runs)
     return {"runs": len(runs), "failing": failing, "healthy": healthy, "auroc": auroc(pos, neg),
-            "detected": detected, "false_alarms": alarms, "lead_median": float(np.median(leads)) if leads else None}
+            "detected": detected, "false_alarms": alarms, "lead_median": float(np.median(leads)) if leads else None,
+            "false_alarm_runs": false}
 
 
 def missed(runs: list[Run], model: dict[str, Any], feats: dict[int, np.ndarray]) -> list[dict[str, Any]]:
     """The failing ``runs`` not warned at a lead >= 20%: where they failed, where the alarm came, and what
-    the telemetry showed up to ``0.8 T`` (skipped steps, the highest ``loss_rise`` and ``amax_growth``)."""
+    the telemetry showed up to ``0.8 T`` (skipped steps, the highest ``loss_rise``, ``amax_growth`` and
+    ``act_fill``, and the run's own activation headroom: ``log2(act_max / act_absmax)``, its lowest)."""
     out = []
     for r in runs:
         if not r.failed:
@@ -167,9 +183,12 @@ def missed(runs: list[Run], model: dict[str, Any], feats: dict[int, np.ndarray])
         before = [i for i, st in enumerate(r.trace.steps) if st <= cut]
         f = feats[id(r)][before]
         peak = {name: float(np.nanmax(f[:, FEATURES.index(name)])) if len(f) and not np.isnan(f[:, FEATURES.index(name)]).all()
-                else None for name in ("loss_rise", "amax_growth")}
-        out.append({"workload": r.workload, "seed": r.seed, "end": r.end, "alarm": first,
-                    "skips_before": sum(r.trace.found_inf[i] for i in before), **peak})
+                else None for name in ("loss_rise", "amax_growth", "act_fill")}
+        act = [r.trace.act_absmax[i] for i in before if r.trace.act_absmax[i] > 0]
+        headroom = math.log2(r.trace.act_max / max(act)) if act and math.isfinite(r.trace.act_max) else None
+        out.append({"workload": r.workload, "seed": r.seed, "strategy": r.strategy, "failing": r.failing, "end": r.end,
+                    "status": r.status, "alarm": first, "skips_before": sum(r.trace.found_inf[i] for i in before),
+                    "headroom_min": headroom, **peak})
     return out
 
 
@@ -194,7 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     results["minutes"] = (time.perf_counter() - t0) / 60
     results["cpu_minutes"] = (time.process_time() - cpu0) / 60
     results["missed"] = missed(test, model, feats)
+    results["missed_train"] = missed(train, model, feats)
     results["trained"] = sum(r.trained for r in runs)
+    known = [r.cpu_s for r in runs if r.cpu_s is not None]
+    results["data_cpu_minutes"] = sum(known) / 60 if known else None
+    results["data_cpu_known"] = len(known)
     write_text_atomic(args.out / "results.json", json.dumps(results, indent=1))
     write_text_atomic(args.fitted, page.fitted_module(model))
     write_text_atomic(args.page, page.page(results))

@@ -2,7 +2,7 @@
 
 Use, around a strategy (or a ``GradScaler``-like object with the same ``state``):
 
->>> rec = TraceRecorder(strategy, model, format="fp16")
+>>> rec = TraceRecorder(strategy, model, format="fp16", forward=torch.float16)
 >>> # each step: scale, backward, strategy.unscale_(optimizer)
 >>> rec.unscaled(model.parameters())      # optional: per-layer-group abs-max of the unscaled grads
 >>> # strategy.step(optimizer); strategy.update()
@@ -10,7 +10,9 @@ Use, around a strategy (or a ``GradScaler``-like object with the same ``state``)
 >>> chunk = rec.flush()                   # at the logging interval: the one host read
 
 Each step's row is assembled from device tensors — the strategy's own statistics of the step
-(``GradStats``, what its rule read), its ``found_inf``, the scale the step ran at, the loss — and
+(``GradStats``, what its rule read), its ``found_inf``, the scale the step ran at, the loss, and
+with ``forward`` the abs-max of the step's low-precision forward activations and its module
+(:class:`strategies.tracing.activations.ForwardAbsMax`: forward hooks on the model's leaf modules) — and
 copied into a device buffer that grows if the loop flushes late (never a read). ``flush`` reads the
 buffer once and returns a chunk (:func:`strategies.tracing.trace.encode_chunk`), also kept in memory
 when ``keep=True`` (:meth:`trace`). Layer groups are those of ``layerwise``
@@ -26,6 +28,7 @@ from typing import Any, Iterable
 import torch
 
 from strategies import layer_groups
+from strategies.tracing.activations import ForwardAbsMax
 from strategies.tracing.trace import BASE_COLUMNS, FORMATS, Format, Histogram, Trace, encode_chunk, header_line
 
 __all__ = ["TraceRecorder"]
@@ -53,18 +56,24 @@ class TraceRecorder:
         format: the activation-gradient format: a name of :data:`FORMATS` or a :class:`Format`.
         meta: free-form facts stored in the header (strategy, precision, workload, ...).
         keep: also keep every flushed row in memory (:meth:`trace`).
+        forward: the forward's low-precision dtype (``torch.float16``/``torch.bfloat16``): hook the
+            model's leaf modules and record the step's activation abs-max (None: not recorded).
     """
 
     def __init__(self, strategy: Any, model: torch.nn.Module | None = None, *, format: str | Format = "fp16",
-                 meta: dict[str, Any] | None = None, keep: bool = False) -> None:
+                 meta: dict[str, Any] | None = None, keep: bool = False, forward: torch.dtype | None = None) -> None:
         self.strategy = strategy
+        self.forward = ForwardAbsMax(model, forward) if forward is not None and model is not None else None
+        self.act_modules = self.forward.names if self.forward is not None else []
+        self.act_max = self.forward.max if self.forward is not None else math.nan
         self.groups, self._param_group = _groups(model)
         self._model_numel = self._numel_of(model.parameters()) if model is not None else None
         self.format = FORMATS[format] if isinstance(format, str) else format
         self.meta = dict(meta or {})
         self.scale_groups = list(getattr(strategy, "group_names", ["all"])) if getattr(strategy, "per_group", False) else ["all"]
         self.keep = keep
-        self._kept = Trace(self.groups, self.group_numel, self.scale_groups, self.format, self.meta) if keep else None
+        self._kept = Trace(self.groups, self.group_numel, self.scale_groups, self.format, self.meta,
+                           act_modules=list(self.act_modules), act_max=self.act_max) if keep else None
         self._buf: torch.Tensor | None = None
         self._n, self._first, self._lr = 0, 0, []
         self._hist: dict[int, Histogram] = {}
@@ -87,7 +96,8 @@ class TraceRecorder:
 
     def header(self) -> dict[str, Any]:
         """The trace file's header line."""
-        return header_line(self.groups, self.group_numel, self.scale_groups, self.format, self.meta)
+        return header_line(self.groups, self.group_numel, self.scale_groups, self.format, self.meta,
+                           self.act_modules, self.act_max)
 
     def _state(self) -> Any:
         enabled = getattr(self.strategy, "is_enabled", lambda: False)()
@@ -155,8 +165,10 @@ class TraceRecorder:
             ga = stats.absmax.float() if per_group else absmax.reshape(1).expand(len(self.groups)) \
                 if len(self.groups) == 1 else torch.full((len(self.groups),), math.nan, device=device)
         lr_slot = torch.zeros((), device=device)  # the host's lr goes here at flush
+        act = self.forward.take(device) if self.forward is not None else \
+            (torch.full((), math.nan, device=device), torch.full((), -1.0, device=device))
         row = torch.cat([torch.stack([found, loss_t, absmax, sumsq, zf, sf, lr_slot]),
-                         scale.to(device).reshape(-1), ga.to(device).reshape(-1)])
+                         scale.to(device).reshape(-1), ga.to(device).reshape(-1), torch.stack(act)])
         self._append(step, row)
         self._lr.append(float(lr))
         self._prev_scale = self._current_scale()
@@ -193,6 +205,11 @@ class TraceRecorder:
             self._kept.histograms.update(self._hist)
         self._n, self._lr, self._hist = 0, [], {}
         return chunk
+
+    def remove(self) -> None:
+        """Take the forward hooks off the model (recording goes on without the activation columns)."""
+        if self.forward is not None:
+            self.forward.remove()
 
     def trace(self) -> Trace:
         """Every row kept so far (``keep=True``), the unflushed ones flushed first."""

@@ -13,16 +13,22 @@ A :class:`Trace` holds, for steps ``1..n`` of one run (or any loop), plain Pytho
 * ``group_absmax`` — abs-max of the unscaled parameter gradients per *layer group* (``groups``:
   the default groups of ``layerwise``, :func:`strategies.layer_groups.resolve`), what per-layer
   rules read;
+* ``act_absmax``, ``act_module`` — the abs-max of the step's low-precision forward activations (finite entries)
+  (every leaf module's output: :mod:`strategies.tracing.activations`) and the index, in
+  ``act_modules``, of the module holding it (NaN and -1 when not recorded); ``act_max`` is the
+  forward format's largest finite value (65504 for fp16; NaN: not recorded), so that
+  ``log2(act_max / act_absmax)`` is the forward's headroom in binades;
 * ``histograms`` — at the steps it was measured (sparse: e.g. every ``hist_every`` steps), the
   exponent histogram ``floor(log2|g|)`` of the activation gradients at the layer boundaries, as
   they flowed in backward (scaled by the step's scale), summed over layers.
 
 File format (JSON lines, appended at the logging interval; a killed run keeps every full line):
 a header ``{"kind": "trace_header", "version", "groups", "group_numel", "scale_groups", "format",
-"meta"}``, then chunks ``{"kind": "trace", "step": first step, "n": rows, "data": base64 of the
+"meta", "act_modules", "act_max"}``, then chunks ``{"kind": "trace", "step": first step, "n": rows, "data": base64 of the
 rows as little-endian float32, "hist": [{"step", "lo", "counts", "zeros"}]}``. A row is
-:func:`columns` wide: the seven per-step columns, the scale(s), the group abs-maxes. Standard
-library only (a reader needs no torch).
+:func:`columns` wide: the seven per-step columns, the scale(s), the group abs-maxes, then
+``act_absmax`` and ``act_module`` (version 2; a version-1 trace, without them, reads as NaN and
+-1). Standard library only (a reader needs no torch).
 """
 
 from __future__ import annotations
@@ -35,13 +41,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 __all__ = [
-    "BASE_COLUMNS", "FORMATS", "Format", "Histogram", "KIND_CHUNK", "KIND_HEADER", "Trace", "TraceError",
+    "ACT_COLUMNS", "BASE_COLUMNS", "FORMATS", "Format", "Histogram", "KIND_CHUNK", "KIND_HEADER", "Trace", "TraceError",
     "VERSION", "columns", "decode_rows", "encode_chunk", "header_line",
 ]
 
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+"""The versions this reader reads (1: rows without the activation columns)."""
 KIND_HEADER, KIND_CHUNK = "trace_header", "trace"
 BASE_COLUMNS = ("found_inf", "loss", "grad_absmax", "grad_sumsq", "zero_frac", "subnormal_frac", "lr")
+ACT_COLUMNS = ("act_absmax", "act_module")
+"""The last two columns of a row (version 2): the forward activation abs-max and its module's index."""
 
 
 class TraceError(ValueError):
@@ -88,7 +98,8 @@ class Histogram:
 
 def columns(num_scales: int, num_groups: int) -> list[str]:
     """The names of a row's columns."""
-    return [*BASE_COLUMNS, *(f"scale.{i}" for i in range(num_scales)), *(f"group_absmax.{i}" for i in range(num_groups))]
+    return [*BASE_COLUMNS, *(f"scale.{i}" for i in range(num_scales)), *(f"group_absmax.{i}" for i in range(num_groups)),
+            *ACT_COLUMNS]
 
 
 @dataclass
@@ -111,6 +122,10 @@ class Trace:
     scale: list[list[float]] = field(default_factory=list)
     group_absmax: list[list[float]] = field(default_factory=list)
     histograms: dict[int, Histogram] = field(default_factory=dict)
+    act_absmax: list[float] = field(default_factory=list)
+    act_module: list[int] = field(default_factory=list)
+    act_modules: list[str] = field(default_factory=list)
+    act_max: float = math.nan
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -120,29 +135,40 @@ class Trace:
         return sum(self.group_numel)
 
     def add_row(self, step: int, row: list[float]) -> None:
-        """Append step ``step`` from one row of :func:`columns`."""
-        b, s = len(BASE_COLUMNS), len(self.scale_groups)
+        """Append step ``step`` from one row of :func:`columns` (or of version 1's, without the
+        activation columns: NaN and -1)."""
+        b, s, g = len(BASE_COLUMNS), len(self.scale_groups), len(self.groups)
         found, loss, absmax, sumsq, zf, sf, lr = row[:b]
         self.steps.append(step)
         self.found_inf.append(found != 0)
         for name, v in zip(BASE_COLUMNS[1:], (loss, absmax, sumsq, zf, sf, lr)):
             getattr(self, name).append(v)
         self.scale.append(list(row[b:b + s]))
-        self.group_absmax.append(list(row[b + s:]))
+        self.group_absmax.append(list(row[b + s:b + s + g]))
+        act, module = row[b + s + g:] if len(row) == b + s + g + len(ACT_COLUMNS) else (math.nan, -1.0)
+        self.act_absmax.append(act)
+        self.act_module.append(int(module) if math.isfinite(module) else -1)
+
+    def act_name(self, j: int) -> str | None:
+        """The name of the module holding row ``j``'s activation abs-max (None: not recorded)."""
+        k = self.act_module[j]
+        return self.act_modules[k] if 0 <= k < len(self.act_modules) else None
 
     def truncated(self, step: int) -> "Trace":
         """The steps up to ``step`` only."""
         n = sum(1 for s in self.steps if s <= step)
-        out = Trace(self.groups, self.group_numel, self.scale_groups, self.format, dict(self.meta))
+        out = Trace(self.groups, self.group_numel, self.scale_groups, self.format, dict(self.meta),
+                    act_modules=list(self.act_modules), act_max=self.act_max)
         for name in ("steps", "found_inf", "loss", "grad_absmax", "grad_sumsq", "zero_frac", "subnormal_frac", "lr",
-                     "scale", "group_absmax"):
+                     "scale", "group_absmax", "act_absmax", "act_module"):
             setattr(out, name, getattr(self, name)[:n])
         out.histograms = {k: h for k, h in self.histograms.items() if k <= step}
         return out
 
     # ------------------------------------------------------------------ the file format
     def header(self) -> dict[str, Any]:
-        return header_line(self.groups, self.group_numel, self.scale_groups, self.format, self.meta)
+        return header_line(self.groups, self.group_numel, self.scale_groups, self.format, self.meta,
+                           self.act_modules, self.act_max)
 
     def lines(self, chunk: int = 1000) -> Iterator[str]:
         """The trace as JSON lines (header, then chunks of ``chunk`` rows)."""
@@ -154,7 +180,8 @@ class Trace:
 
     def _row(self, j: int) -> list[float]:
         return [float(self.found_inf[j]), self.loss[j], self.grad_absmax[j], self.grad_sumsq[j], self.zero_frac[j],
-                self.subnormal_frac[j], self.lr[j], *self.scale[j], *self.group_absmax[j]]
+                self.subnormal_frac[j], self.lr[j], *self.scale[j], *self.group_absmax[j], self.act_absmax[j],
+                float(self.act_module[j])]
 
     @classmethod
     def from_lines(cls, lines: Iterable[str]) -> "Trace":
@@ -181,9 +208,11 @@ class Trace:
 
 
 def header_line(groups: list[str], group_numel: list[int], scale_groups: list[str], fmt: Format,
-                meta: dict[str, Any]) -> dict[str, Any]:
+                meta: dict[str, Any], act_modules: list[str] | None = None, act_max: float = math.nan) -> dict[str, Any]:
+    """The header line (``act_max`` NaN: written as null, no activations recorded)."""
     return {"kind": KIND_HEADER, "version": VERSION, "groups": list(groups), "group_numel": list(group_numel),
-            "scale_groups": list(scale_groups), "format": fmt.as_dict(), "meta": dict(meta)}
+            "scale_groups": list(scale_groups), "format": fmt.as_dict(), "meta": dict(meta),
+            "act_modules": list(act_modules or []), "act_max": act_max if math.isfinite(act_max) else None}
 
 
 def encode_chunk(first_step: int, rows: list[list[float]], hist: dict[int, Histogram] | None = None) -> dict[str, Any]:
@@ -218,8 +247,8 @@ def _apply(trace: Trace | None, obj: dict[str, Any]) -> Trace:
     """Fold one line into the trace being read."""
     kind = obj.get("kind")
     if kind == KIND_HEADER:
-        if obj.get("version") != VERSION:
-            raise ValueError(f"trace version {obj.get('version')!r}, this reader knows {VERSION}")
+        if obj.get("version") not in READS:
+            raise ValueError(f"trace version {obj.get('version')!r}, this reader knows {', '.join(map(str, READS))}")
         groups, numel = [str(g) for g in obj["groups"]], [int(n) for n in obj["group_numel"]]
         if len(groups) != len(numel) or not groups:
             raise ValueError("groups and group_numel must have the same, nonzero length")
@@ -227,14 +256,18 @@ def _apply(trace: Trace | None, obj: dict[str, Any]) -> Trace:
             if groups != trace.groups:
                 raise ValueError(f"a second header with other groups {groups}")
             return trace
-        return Trace(groups, numel, [str(g) for g in obj["scale_groups"]], _format(obj["format"]), dict(obj.get("meta") or {}))
+        act_max = obj.get("act_max")
+        return Trace(groups, numel, [str(g) for g in obj["scale_groups"]], _format(obj["format"]), dict(obj.get("meta") or {}),
+                     act_modules=[str(n) for n in obj.get("act_modules") or []],
+                     act_max=float(act_max) if act_max is not None else math.nan)
     if kind != KIND_CHUNK:
         raise ValueError(f"unknown line kind {kind!r}")
     if trace is None:
         raise ValueError("a chunk before the header")
     rows = decode_rows(obj)
-    if rows and len(rows[0]) != len(columns(len(trace.scale_groups), len(trace.groups))):
-        raise ValueError(f"rows of width {len(rows[0])}, the header says {len(columns(len(trace.scale_groups), len(trace.groups)))}")
+    width = len(columns(len(trace.scale_groups), len(trace.groups)))
+    if rows and len(rows[0]) not in (width, width - len(ACT_COLUMNS)):
+        raise ValueError(f"rows of width {len(rows[0])}, the header says {width}")
     first = int(obj["step"])
     if trace.steps and first <= trace.steps[-1]:
         raise ValueError(f"chunk at step {first} after step {trace.steps[-1]}")

@@ -61,5 +61,6 @@ def hf_callback(trainer: Any = None, *, scaler: Any = None, loss_fn: Callable[[A
             if self._hook is not None:
                 self._hook.remove()
             self.watch.check(self.batch)
+            self.watch.close()
 
     return ScaleWatch()

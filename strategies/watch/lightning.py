@@ -49,4 +49,7 @@ def lightning_callback(scaler: Any = None, *, loss_fn: Callable[[Any, Any], Any]
                 return
             self.watch.step(loss.detach(), trainer.optimizers[0].param_groups[0]["lr"], batch)
 
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.watch.close()  # the forward hooks off the model
+
     return ScaleWatch()

@@ -9,7 +9,9 @@
 ...     optimizer.zero_grad()
 >>> watch.replay(strategies.create("native", init_scale=2.0**32, hysteresis=2))  # Megatron's, so far
 
-Each step's row goes to a :class:`strategies.tracing.TraceRecorder` on the device; every
+Each step's row goes to a :class:`strategies.tracing.TraceRecorder` on the device — with the
+forward activation abs-max, from forward hooks :class:`Watch` installs on the model's leaf modules
+(``activations=False``: none; :meth:`close` takes them off) — and every
 ``every`` steps the rows are read once and fed to the :class:`strategies.watch.detector.Detector`.
 At the first alarm the warning is logged (``log``; default: the ``scalelab.watch`` logger), and — when ``loss_fn`` and the step's batch are known — the doctor
 (:func:`strategies.doctor.diagnose`) re-runs that batch and the line ends with its verdict:
@@ -31,11 +33,18 @@ from strategies.tracing import Trace, TraceRecorder, replay
 from strategies.tracing.replay import ReplayResult
 from strategies.watch.detector import Detector, observations
 
-__all__ = ["Watch", "doctor_words"]
+__all__ = ["FORWARD_DTYPES", "Watch", "doctor_words"]
+
+FORWARD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The forward's dtype of each ``precision`` (the activations hooked)."""
 
 
 def doctor_words(diagnosis: Any) -> str:
-    """``"forward overflow at blocks.0.scores"`` from a :class:`strategies.doctor.Diagnosis`."""
+    """``"forward overflow at blocks.0.scores"`` from a :class:`strategies.doctor.Diagnosis`; a step
+    the doctor finds healthy (a warning from a precursor, such as the forward headroom, comes before
+    the fault) reads ``"no fault in this step yet"``."""
+    if diagnosis.cause == "healthy":
+        return "no fault in this step yet"
     where = f" at {diagnosis.first_module}" if getattr(diagnosis, "first_module", None) else ""
     return f"{diagnosis.cause.replace('_', ' ')}{where}"
 
@@ -51,14 +60,18 @@ class Watch:
         every: steps between reads of the device (and detector updates).
         log: where the warning line goes (default: the ``scalelab.watch`` logger, at WARNING).
         detector: a :class:`Detector` (default: the fitted one).
+        activations: hook the model's leaf modules for the forward activation abs-max in the
+            ``precision``'s dtype (the detector's ``act_fill``/``act_growth``; needs ``model``).
     """
 
     def __init__(self, scaler: Any, model: torch.nn.Module | None = None, *, precision: str = "fp16",
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None, every: int = 10,
-                 log: Callable[[str], None] | None = None, detector: Detector | None = None) -> None:
+                 log: Callable[[str], None] | None = None, detector: Detector | None = None,
+                 activations: bool = True) -> None:
         self.scaler, self.model, self.precision, self.loss_fn = scaler, model, precision, loss_fn
         self.every, self.log = every, log or logging.getLogger("scalelab.watch").warning
-        self.recorder = TraceRecorder(scaler, model, format=precision, keep=True)
+        forward = FORWARD_DTYPES.get(precision) if activations else None
+        self.recorder = TraceRecorder(scaler, model, format=precision, keep=True, forward=forward)
         self.detector = detector or Detector()
         self.steps = 0
         self._seen = 0
@@ -103,7 +116,8 @@ class Watch:
     def _doctor(self, batch: Any) -> str:
         """The doctor on ``batch`` at the current weights and scale; the step's gradients (still in
         ``.grad`` before the loop's ``zero_grad``) are set aside meanwhile, so that it does not read
-        them as gradients never cleared, and put back after."""
+        them as gradients never cleared, and put back after; what the forward hooks saw of its
+        re-runs is dropped."""
         held = {p: p.grad for p in self.model.parameters()}
         for p in held:
             p.grad = None
@@ -115,7 +129,13 @@ class Watch:
         finally:
             for p, g in held.items():
                 p.grad = g
+            if self.recorder.forward is not None:  # the doctor's own forwards are not the next step's
+                self.recorder.forward.reset()
         return doctor_words(self.diagnosis)
+
+    def close(self) -> None:
+        """Take the forward hooks off the model (the trace so far stays readable)."""
+        self.recorder.remove()
 
     def trace(self) -> Trace:
         """Every step recorded so far."""

@@ -10,7 +10,7 @@ from scipy.optimize import minimize
 from scipy.stats import mannwhitneyu
 
 from experiments.warning.data import Run
-from experiments.warning.evaluate import L2, _samples, _scores, auroc, fit, missed, step_features
+from experiments.warning.evaluate import L2, _samples, _scores, auroc, evaluate, fit, missed, step_features
 from strategies.tracing import FORMATS, Trace
 
 
@@ -76,3 +76,16 @@ def test_missed_lists_the_failing_runs_not_warned_at_a_fifth_of_their_horizon() 
             want.append((r.seed, first, sum(r.trace.found_inf[:48])))
     assert [(m["seed"], m["alarm"], m["skips_before"]) for m in out] == want and want[-1][0] == 7
     assert all(m["end"] == 60 and m["loss_rise"] is not None for m in out)
+
+
+def test_false_alarms_are_listed_with_their_first_step_and_words() -> None:
+    runs = [run(k, f) for k in range(6) for f in (True, False)]
+    feats = {id(r): step_features(r) for r in runs}
+    model = dict(fit(runs, feats))
+    model["threshold"] = sorted(max(_scores(r, model)) for r in runs if not r.failed)[3]  # 3 healthy runs alarm
+    e = evaluate(runs, model)
+    want = [(r.seed, next(st for st, s in zip(r.trace.steps, _scores(r, model)) if s >= model["threshold"]))
+            for r in runs if not r.failed and max(_scores(r, model)) >= model["threshold"]]
+    assert e["false_alarms"] == len(want) == 3
+    assert [(f["seed"], f["step"]) for f in e["false_alarm_runs"]] == want
+    assert all(f["reason"] and f["end"] == 60 for f in e["false_alarm_runs"])

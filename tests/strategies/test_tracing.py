@@ -77,7 +77,7 @@ def test_the_file_format_round_trips_and_a_torn_last_line_is_dropped(one_thread)
 @pytest.mark.parametrize("bad,what", [
     (lambda ls: [ls[0], "{not json", *ls[1:]], "line 2"),
     (lambda ls: ls[1:], "before the header"),
-    (lambda ls: [ls[0].replace('"version": 1', '"version": 9'), *ls[1:]], "version"),
+    (lambda ls: [ls[0].replace('"version": 2', '"version": 9'), *ls[1:]], "version"),
     (lambda ls: [ls[0], ls[2], ls[1]], "after step"),
     (lambda ls: [], "no trace header"),
 ])

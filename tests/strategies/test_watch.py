@@ -20,9 +20,11 @@ from strategies.watch.detector import FEATURES
 from tests.helpers import batch, forbid_host_sync
 
 ONSET, STEPS = 6, 24
-SKIPS = {"features": list(FEATURES), "mean": [0.0] * 4, "scale": [1.0] * 4, "coef": [10.0, 0.0, 0.0, 0.0],
-         "intercept": -3.0, "threshold": 0.5}
-"""Alarm once more than 30% of the window's steps are skipped."""
+SKIPS = {"features": list(FEATURES), "mean": [0.0] * len(FEATURES), "scale": [1.0] * len(FEATURES),
+         "coef": [10.0] + [0.0] * (len(FEATURES) - 1), "intercept": -3.0, "threshold": 0.5}
+"""Alarm once more than 30% of the window's steps are skipped (5 of 16: from step ONSET + 4)."""
+NEAR_MAX = {"features": ["act_fill"], "mean": [0.0], "scale": [1.0], "coef": [10.0], "intercept": -5.0, "threshold": 0.5}
+"""Alarm once the forward activation abs-max passes half of the format's max (65504 / 2 in fp16)."""
 
 
 def ffn(seed: int = 0) -> torch.nn.Sequential:
@@ -64,12 +66,52 @@ def test_a_plain_loop_gets_the_warning_and_the_doctor_in_its_log(one_thread) -> 
                 continue
         watch.step(loss, 0.01, b)
         opt.zero_grad()
-    assert len(lines) == 1 and lines[0].startswith("scalelab watch: step 16: overflows: ")
+    assert len(lines) == 1 and lines[0].startswith(f"scalelab watch: step {ONSET + 4}: overflows: "), lines
     assert lines[0].endswith("doctor says: forward overflow at 2"), lines[0]
     assert watch.diagnosis.cause == "forward_overflow"
     megatron = strategies.create("native", "cpu", init_scale=2.0**32, growth_interval=1000, hysteresis=2, min_scale=1.0)
     result = watch.replay(megatron)
     assert len(result.steps) == STEPS and result.skipped_steps[-1] == STEPS
+
+
+def test_the_forward_headroom_warns_before_a_forward_overflow_with_no_skipped_step(one_thread) -> None:
+    """An FFN weight growing by half every step: its fp16 output nears 65504 with clean steps only (the
+    gradients show nothing), and the activation abs-max from Watch's forward hooks warns first."""
+    lines, runs = [], {}
+    for activations in (True, False):
+        model = ffn()
+        scaler = strategies.create("native", "cpu", init_scale=2.0**10)
+        watch = Watch(scaler, model, loss_fn=lambda m, b: mse(m, b) * 1e-9, every=1, log=lines.append,
+                      detector=Detector(NEAR_MAX), activations=activations)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for step in range(1, 41):
+            blow_up(model, model[2].weight, 1.5)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = mse(model, batch(step)) * 1e-9  # gradients that stay in range: only the forward can overflow
+            with forbid_host_sync():
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            watch.step(loss, 0.0, batch(step))
+            opt.zero_grad()
+        watch.close()
+        runs[activations] = watch
+    trace = runs[True].trace()
+    first_skip = trace.found_inf.index(True) + 1
+    assert trace.act_modules == ["0", "1", "2"] and trace.act_max == 65504.0
+    with torch.autocast("cpu", dtype=torch.float16):  # the reference: the same grown weight's output
+        model = ffn()
+        for _ in range(8):
+            blow_up(model, model[2].weight, 1.5)
+        ref = float(model(batch(8)[0]).detach().float().abs().max())
+    assert trace.act_absmax[7] == ref and trace.act_name(7) == "2"
+    near = next(j for j, a in enumerate(trace.act_absmax) if a >= 65504 / 2) + 1
+    assert runs[True].detector.alarm_step == near < first_skip and not any(trace.found_inf[:near])
+    assert lines == [f"scalelab watch: step {near}: forward activations at {100 * trace.act_absmax[near - 1] / 65504:.0f}% "
+                     f"of the format's max ({math.log2(65504 / trace.act_absmax[near - 1]):.2f} binades of headroom) in 2; "
+                     "doctor says: no fault in this step yet"]  # the precursor comes before the overflow
+    assert runs[True].diagnosis.cause == "healthy"
+    assert runs[False].detector.alarm_step is None and all(math.isnan(a) for a in runs[False].trace().act_absmax)
 
 
 def test_the_saved_trace_is_what_scalelab_replay_reads(tmp_path, one_thread) -> None:
@@ -122,6 +164,8 @@ def test_lightning(tmp_path, one_thread) -> None:
     trainer.fit(_with_detector(Module(), cb), data)
     assert len(lines) == 1 and "overflows: " in lines[0] and lines[0].endswith("doctor says: forward overflow at net.2")
     assert len(cb.watch.trace()) == STEPS and cb.watch.trace().groups == ["net"]
+    act = cb.watch.trace()  # the forward hooks: every step's finite abs-max and its module
+    assert all(0 < a <= 65504 for a in act.act_absmax) and act.act_modules == ["net.0", "net.1", "net.2"]
     same = strategies.create("native", "cpu", init_scale=2.0**10)  # the recorded run's rule: itself again
     assert cb.watch.replay(same).skipped_steps == list(range(ONSET, STEPS + 1)) == \
         [s for s, f in zip(cb.watch.trace().steps, cb.watch.trace().found_inf) if f]
@@ -179,3 +223,4 @@ def test_hugging_face_trainer(tmp_path, one_thread) -> None:
     trace = cb.watch.trace()
     assert len(trace) == STEPS and all(math.isfinite(x) for x in trace.loss[:ONSET - 1])
     assert trace.found_inf[ONSET - 1:] == [True] * (STEPS - ONSET + 1)
+    assert all(0 < a <= 65504 for a in trace.act_absmax) and "transformer.h.0.mlp.c_proj" in trace.act_modules
