@@ -125,7 +125,7 @@ class TraceRecorder:
         grads = [p.grad.detach() for p in params]
         with torch.no_grad():
             amax = torch.stack(torch._foreach_norm(grads, math.inf)).float()
-            amax = torch.nan_to_num(amax, nan=math.inf)  # a NaN entry reads as an overflow
+            amax = torch.nan_to_num(amax, nan=math.inf, posinf=math.inf)  # NaN reads as an overflow; +inf stays inf (not float max)
             index = self._index[1]
             self._group_absmax = torch.zeros(len(self.groups), device=amax.device).scatter_reduce_(
                 0, index.to(amax.device), amax, "amax")

@@ -192,3 +192,24 @@ def test_auto_judges_an_opening_string_of_overflows_by_the_clean_steps_after_it(
         assert group_overflow(t, 0, [65536.0], "auto")[0] == [not kept]
         assert group_overflow(t, 1, [65536.0], "auto")[0] == [not kept]
         assert group_overflow(t, 0, [65536.0], "persist")[0] == [True]
+
+
+def test_an_overflowing_group_records_inf_not_float_max(one_thread) -> None:
+    """torch.nan_to_num(x, nan=inf) alone also maps +inf to float32's max (3.4e38): a group whose
+    gradient holds +inf (and no NaN) must record inf, as a NaN one does."""
+    model = mlp(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    s = strategies.create("native", "cpu")
+    rec = TraceRecorder(s, model, keep=True)
+    x, y = batch(1)
+    loss = F.mse_loss(model(x), y)
+    s.scale(loss).backward()
+    list(model.parameters())[-2].grad.view(-1)[0] = math.inf  # the last Linear's weight: +inf, no NaN
+    s.unscale_(opt)
+    rec.unscaled(model.parameters())
+    s.step(opt)
+    s.update()
+    rec.stepped(1, loss, 0.05)
+    rec.flush()
+    row = rec.trace().group_absmax[0]
+    assert math.isinf(row[-1]) and all(math.isfinite(v) for v in row[:-1]), row
