@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             overhead += bench_overhead(size, tensors, names, repeats, steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
         print("measuring hooks and fused AdamW ...", file=sys.stderr, flush=True)
-        hook_rows = bench_steps.bench_hooks(repeats)
+        hook_rows = bench_steps.bench_hooks(repeats if args.quick else max(repeats, bench_steps.HOOK_ROUNDS))
         fused_size = sizes[-1]
         fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
         every_rows = bench_steps.bench_every(repeats)
