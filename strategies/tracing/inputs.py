@@ -17,13 +17,16 @@ scale ``S_il`` and the format's largest value ``M`` (``trace.format.max``):
   - ``persist``: it overflows at every scale (a spike, a NaN, an overflowing activation);
   - ``bound``: it overflows iff ``S'_l >= S_il``; below, the lower bound ``M / S_il`` is its abs-max;
   - ``auto`` (the default, chosen by the measurements of ``docs/replay.md``): ``bound`` when the
-    group's gradients of the :data:`RECENT` steps before were already within a factor
+    group's gradients of the :data:`RECENT` clean steps before were already within a factor
     :data:`NEAR` of overflowing at ``S_il`` (``max a * S_il >= NEAR * M``: the *scale* overflowed,
     as a rule that rides the edge does), else ``persist`` (a jump no scale near the recorded one
-    survives). A step with no finite abs-max in the steps before (a run that opens with a string
+    survives). A step with no clean step before it (a run that opens with a string
     of overflows from a 2^32 initial scale, as Megatron's and AReaL's presets do) is judged by the
     first :data:`RECENT` clean steps after it: in ``make replay-check``'s court traces, judging
-    those as jumps made every other preset skip them all.
+    those as jumps made every other preset skip them all. Only clean steps are evidence: an
+    overflow step's finite groups are the ones that did not overflow, and once the trace recorded
+    an overflowing group as ``inf`` (not float32's max) such a step's small finite entries made the
+    scale's own overflows read as jumps.
 
 A step overflows when any group does. The parameter gradients' abs-max underestimates the
 activation gradients inside backward (``strategies/rules/amax_history.py`` measured 61745 < 65504
@@ -112,13 +115,17 @@ def _spacing(steps: list[int]) -> str:
 
 
 def _evidence(trace: Trace, i: int) -> list[list[float]]:
-    """The abs-max rows that tell what step ``i``'s overflow was: the :data:`RECENT` steps before it
-    with a finite abs-max, or, when none has (a run that starts by overflowing, e.g. from a 2^32
-    initial scale), the first :data:`RECENT` such steps after it."""
-    finite = [row for row in trace.group_absmax[max(0, i - RECENT):i] if any(map(math.isfinite, row))]
-    if finite:
-        return finite
-    after = (row for row in trace.group_absmax[i + 1:] if any(map(math.isfinite, row)))
+    """The abs-max rows that tell what step ``i``'s overflow was: those of the clean steps (no
+    overflow, a finite abs-max) among the :data:`RECENT` steps before it, or, when none is (a run
+    that starts by overflowing, e.g. from a 2^32 initial scale), of the first :data:`RECENT` clean
+    steps after it."""
+    def clean(j: int) -> bool:
+        return not trace.found_inf[j] and any(map(math.isfinite, trace.group_absmax[j]))
+
+    before = [trace.group_absmax[j] for j in range(max(0, i - RECENT), i) if clean(j)]
+    if before:
+        return before
+    after = (trace.group_absmax[j] for j in range(i + 1, len(trace.group_absmax)) if clean(j))
     return [row for _, row in zip(range(RECENT), after)]
 
 

@@ -145,6 +145,23 @@ def test_auto_tells_a_scale_that_overflowed_from_a_jump() -> None:
         assert group_overflow(t, RECENT, [512.0], "persist")[0] == [True]
 
 
+def test_auto_reads_an_opening_string_of_overflows_by_the_clean_steps_after_it() -> None:
+    """A run from 2^32 halves through a string of overflows; late in the string some groups are
+    already finite (and small at that scale). Only clean steps are evidence: the string is the
+    scale's (the clean gradients after it sit near M at those scales), so a lower scale survives
+    it. With the partly finite overflow rows as evidence it read as a jump, and every preset
+    replayed on an AReaL trace skipped a step its real run did not."""
+    t = Trace(["a", "b"], [1, 1], format=FORMATS["fp16"])
+    scale = 2.0**24
+    for step in range(1, 5):  # the opening string: b overflows, a finite and small at this scale
+        t.add_row(step, [1.0, 1.0, math.nan, math.nan, 0.0, 0.0, 0.1, scale, 0.01, math.inf])
+        scale /= 2
+    for step in range(5, 5 + RECENT):  # clean at 2^20 with b at 0.5: 0.5 * 2^24 far above M
+        t.add_row(step, [0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.1, 2.0**20, 0.01, 0.5])
+    over, feed = group_overflow(t, 3, [65536.0], "auto")  # the last opening step (recorded at 2^21)
+    assert over == [False, False] and feed == [0.01, 65504.0 / 2.0**21]
+
+
 def test_lost_entries_from_the_histogram() -> None:
     t = Trace(["a"], [1], format=FORMATS["fp16"])
     h = Histogram(-30, [10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0, 20], 5)  # exponents -30, -20, -14
