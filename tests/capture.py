@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import strategies
 from strategies.floor import raises
+from tests.helpers import strategy_cases
 
-__all__ = ["MULTS", "OpTrace", "capture_blocker", "train_steps"]
+__all__ = ["MULTS", "OpTrace", "capture_blocker", "capture_cases", "probing", "train_steps"]
 
 MULTS = (1.0, 1.0, 1.0, float("inf"), 1.0, 1.0, 1.0, 1.0)
 """The loss multiplier of each step: the fourth overflows (every gradient non-finite, skipped)."""
@@ -42,18 +43,29 @@ class OpTrace(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def probing(name: str) -> bool:
+    """Whether rule ``name`` runs the fp32 reference probe on a host schedule (``probe_interval``)."""
+    return hasattr(strategies.get(name), "probe_due")
+
+
 def capture_blocker(name: str, kw: dict) -> str:
     """Why rule ``name`` with keywords ``kw`` cannot be captured as one graph ("" when it can)."""
-    cls = strategies.get(name)
-    if hasattr(cls, "probe_due"):
+    if probing(name):
         return "the fp32 reference probe runs on a host schedule (probe_interval) and adds host time to its telemetry"
     if raises(strategies.create(name, **kw).params):
         return "on_min_scale='raise' writes the host's update number into the fault state"
     return ""
 
 
-def train_steps(s: strategies.Strategy, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-                opt: torch.optim.Optimizer, mult: torch.Tensor, around: Callable[[], Any]) -> list[list[tuple[str, str]]]:
+def capture_cases() -> tuple[list[Any], list[Any]]:
+    """``tests.helpers.strategy_cases()`` split into the capturable ones and those with a
+    :func:`capture_blocker`."""
+    cases = strategy_cases()
+    return ([c for c in cases if not capture_blocker(*c.values)], [c for c in cases if capture_blocker(*c.values)])
+
+
+def train_steps(s: strategies.Strategy, loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
+                mult: torch.Tensor, around: Callable[[], Any]) -> list[list[tuple[str, str]]]:
     """One step per :data:`MULTS` entry (``mult`` filled with it, the loss multiplied by it), each
     inside the context ``around()`` and an :class:`OpTrace`; the traces."""
     traces = []

@@ -28,12 +28,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForwardAbsMax", "leaf_modules"]
+__all__ = ["ForwardAbsMax", "leaf_modules", "not_recorded"]
 
 
 def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The model's leaf modules (no children), by name (``model.named_modules()``'s, shared ones once)."""
     return [(name or type(m).__name__, m) for name, m in model.named_modules() if next(m.children(), None) is None]
+
+
+def not_recorded(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation columns of a step without a recorded forward: NaN and module index -1."""
+    return torch.full((), math.nan, device=device), torch.full((), -1.0, device=device)
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
@@ -85,7 +90,7 @@ class ForwardAbsMax:
         """The (finite) abs-max of this step's hooked outputs and the index of its module (as float32
         device scalars; NaN and -1 when no low-precision output was seen), the slots zeroed for the next step."""
         if not self._seen or self._slots is None:
-            return torch.full((), math.nan, device=device), torch.full((), -1.0, device=device)
+            return not_recorded(device)
         amax, index = self._slots.max(dim=0)
         out = amax.to(device, torch.float32), index.to(device, torch.float32)
         self._slots.zero_()

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import torch
 
 from strategies import layer_groups
-from strategies.tracing.activations import ForwardAbsMax
+from strategies.tracing.activations import ForwardAbsMax, not_recorded
 from strategies.tracing.trace import BASE_COLUMNS, FORMATS, Format, Histogram, Trace, encode_chunk, header_line
 
 __all__ = ["TraceRecorder"]
@@ -165,8 +165,7 @@ class TraceRecorder:
             ga = stats.absmax.float() if per_group else absmax.reshape(1).expand(len(self.groups)) \
                 if len(self.groups) == 1 else torch.full((len(self.groups),), math.nan, device=device)
         lr_slot = torch.zeros((), device=device)  # the host's lr goes here at flush
-        act = self.forward.take(device) if self.forward is not None else \
-            (torch.full((), math.nan, device=device), torch.full((), -1.0, device=device))
+        act = self.forward.take(device) if self.forward is not None else not_recorded(device)
         row = torch.cat([torch.stack([found, loss_t, absmax, sumsq, zf, sf, lr_slot]),
                          scale.to(device).reshape(-1), ga.to(device).reshape(-1), torch.stack(act)])
         self._append(step, row)

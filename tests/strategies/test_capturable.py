@@ -9,9 +9,8 @@ import warnings
 import pytest
 import torch
 
-import strategies
-from tests.capture import MULTS, capture_blocker, train_steps
-from tests.helpers import batch, forbid_host_sync, fp16_safe, make_strategy, mlp, strategy_cases
+from tests.capture import MULTS, capture_cases, probing, train_steps
+from tests.helpers import batch, forbid_host_sync, fp16_safe, make_strategy, mlp
 
 WARM = 2  # steps before the trace must repeat: lazy state, caches, the first statistics
 
@@ -27,12 +26,11 @@ def _run(name: str, kw: dict, **overrides) -> tuple[list, object]:
         warnings.simplefilter("ignore")
         s = make_strategy(name, fp16_safe(kw), model, loss, **overrides)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-        traces = train_steps(s, model, loss, opt, torch.ones(()), forbid_host_sync)
+        traces = train_steps(s, loss, opt, torch.ones(()), forbid_host_sync)
     return traces, s
 
 
-CAPTURABLE = [c for c in strategy_cases() if not capture_blocker(*c.values)]
-BLOCKED = [c for c in strategy_cases() if capture_blocker(*c.values)]
+CAPTURABLE, BLOCKED = capture_cases()
 
 
 def test_most_strategies_are_capturable() -> None:
@@ -55,7 +53,6 @@ def test_whole_step_repeats_the_same_ops_with_the_skip_on_the_device(name: str, 
 
 @pytest.mark.parametrize("name,kw", BLOCKED)
 def test_blockers_are_real(name: str, kw: dict) -> None:
-    probing = hasattr(strategies.get(name), "probe_due")
-    traces, _ = _run(name, kw, **({"probe_interval": 2} if probing else {}))
+    traces, _ = _run(name, kw, **({"probe_interval": 2} if probing(name) else {}))
     steady = traces[WARM:]
     assert any(t != steady[0] for t in steady), f"{name}: listed as not capturable, yet every step dispatched the same ops"
