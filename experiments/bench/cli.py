@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"default {bench_gpu.DEFAULT_STATS_SIZES})")
     p.add_argument("--tensors", type=int, default=50, help="gradient tensors the parameters are split into (50)")
     p.add_argument("--repeats", type=int, default=None,
-                   help=f"repeats per configuration; medians reported (7; cuda: {bench_gpu.DEFAULT_REPEATS})")
+                   help=f"repeats per configuration; medians reported (7, and at least {bench_steps.HOOK_ROUNDS} in (c) "
+                        f"and {bench_steps.EVERY_ROUNDS} in (e) unless given; cuda: {bench_gpu.DEFAULT_REPEATS})")
     p.add_argument("--steps", type=int, default=None, help="timed steps per repeat in (a), median taken (3; cpu only)")
     p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: all registered)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -280,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
 
     kernels.load()  # build/load before timing anything
     load_before = machine_info().get("loadavg_1_5_15")
+
+    def at_least(rounds: int) -> int:
+        """Sections (c) and (e) run at least ``rounds`` rounds unless ``--quick`` or ``--repeats`` says otherwise."""
+        return repeats if args.quick or args.repeats is not None else max(repeats, rounds)
+
     overhead: list[dict[str, Any]] = []
     stats_rows: list[dict[str, Any]] = []
     with _quiet():
@@ -289,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             overhead += bench_overhead(size, tensors, names, repeats, steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
         print("measuring hooks and fused AdamW ...", file=sys.stderr, flush=True)
-        hook_rows = bench_steps.bench_hooks(repeats if args.quick else max(repeats, bench_steps.HOOK_ROUNDS))
+        hook_rows = bench_steps.bench_hooks(at_least(bench_steps.HOOK_ROUNDS))
         fused_size = sizes[-1]
         fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
-        every_rows = bench_steps.bench_every(repeats)
+        every_rows = bench_steps.bench_every(at_least(bench_steps.EVERY_ROUNDS))
     meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": steps,
             "argv": argv_used}
     result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "fused_adamw": fused_rows,

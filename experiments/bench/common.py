@@ -6,6 +6,7 @@ gradients, the scalers and their step, a no-op optimizer, paired shuffled rounds
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -16,7 +17,7 @@ import torch
 import strategies
 
 __all__ = ["SUFFIX", "parse_size", "make_params", "restore", "human", "HOOKED", "VARIANTS", "make_scaler",
-    "scaling_step", "NoOpOptimizer", "paired_ms", "paired_ratio"]
+    "scaling_step", "NoOpOptimizer", "paired_ms", "paired_ratio", "paired_ratio_interval", "median_interval"]
 
 SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
 
@@ -132,3 +133,24 @@ def paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0,
 def paired_ratio(a: list[float], b: list[float]) -> float:
     """Median over rounds of a / b in the same round."""
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median of ``values`` (independent rounds):
+    the order statistics ``x_(k)`` and ``x_(n+1-k)`` (1-based) with the largest ``k`` for which
+    ``P(Binomial(n, 1/2) < k) <= (1 - level) / 2``, so the interval covers the true median with
+    probability at least ``level``, whatever the distribution of a round. ``(nan, nan)`` when
+    ``n`` is too small for ``level`` (n < 6 at 95 %)."""
+    x, n = sorted(values), len(values)
+    tail, k, cdf = (1.0 - level) / 2.0, 0, 0.0
+    while k < n // 2:
+        nxt = cdf + math.comb(n, k) / 2.0**n  # P(B <= k) = P(B < k + 1)
+        if nxt > tail:
+            break
+        cdf, k = nxt, k + 1
+    return (math.nan, math.nan) if k == 0 else (x[k - 1], x[n - k])
+
+
+def paired_ratio_interval(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float]:
+    """:func:`median_interval` of the per-round ratios a / b: the interval of :func:`paired_ratio`."""
+    return median_interval([x / y for x, y in zip(a, b)], level)

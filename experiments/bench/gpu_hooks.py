@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from experiments.bench.steps import bench_hooks
+from experiments.bench.steps import bench_hooks, interval_text
 
 __all__ = ["bench_hooks_gpu", "format_hooks_table", "synced_clock"]
 
@@ -32,8 +32,9 @@ def bench_hooks_gpu(repeats: int, models: tuple[str, ...] = ("gpt",)) -> list[di
 
 
 def format_hooks_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (median ms and the ratio)."""
-    lines = ["| model | rule | plain ms | attached ms | extra ms | attached / plain |", "|---|---|---|---|---|---|"]
+    """The rows as a Markdown table (median ms, the ratio and its 95 % interval)."""
+    lines = ["| model | rule | plain ms | attached ms | extra ms | attached / plain | 95% interval |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['strategy']} | {r['plain_ms']:.3f} | {r['attached_ms']:.3f} | "
-              f"{r['extra_ms']:.3f} | {r['ratio']:.2f}x |" for r in rows]
+              f"{r['extra_ms']:.3f} | {r['ratio']:.3f}x | {interval_text(r)} |" for r in rows]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ optimizer unscales in its kernel; the strategy only reads the gradients for its 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -28,10 +29,10 @@ import torch.nn.functional as F
 
 import strategies
 from experiments.workloads.models import GPT
-from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio
+from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, paired_ratio_interval
 
-__all__ = ["EVERY", "HOOK_MODELS", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
-           "format_hooks"]
+__all__ = ["EVERY", "EVERY_ROUNDS", "HOOK_MODELS", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
+           "format_hooks", "interval_text"]
 
 
 def _mlp(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
@@ -56,7 +57,7 @@ def _gpt(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
 HOOK_MODELS = {"mlp": _mlp, "gpt": _gpt}
 """Section (c)'s models: name -> (model, its loss)."""
 HOOK_ROUNDS = 61
-"""Section (c)'s rounds at least (``scalelab-bench`` without ``--quick``): its target is a ratio
+"""Section (c)'s rounds at least (``scalelab-bench`` without ``--quick`` or ``--repeats``): its target is a ratio
 within 5 % of 1, and 7 rounds moved one rule's median ratio by 0.02 between runs on a quiet CPU
 (1.061 against 1.042 and 1.043 at 61 rounds); 61 rounds take ~40 s."""
 
@@ -88,14 +89,19 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: 
                            "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=clock)
             hooked.detach()
             t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
+            lo, hi = paired_ratio_interval(t["hooked"], t["plain"])
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
                          "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"]),
-                         "rounds": repeats})
+                         "ratio_lo": lo, "ratio_hi": hi, "rounds": repeats})
     return rows
 
 
 EVERY = ((1, 1.0), (4, 1.0), (16, 1.0), (1, 0.5), (1, 0.25))
 """Section (e)'s ``(stats_every, stats_layers)`` settings (``layerwise`` takes only ``stats_layers = 1``)."""
+EVERY_ROUNDS = 25
+"""Section (e)'s rounds at least (``scalelab-bench`` without ``--quick`` or ``--repeats``): at 7 rounds the 95 %
+interval of a ratio spanned 0.03-0.10 (its order statistics are then the extremes); 25 rounds take
+~3 min (a round is 16 steps of every copy)."""
 
 
 def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, block: int = 16) -> list[dict[str, Any]]:
@@ -128,14 +134,25 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
         rows += [{"strategy": label, "stats_every": k, "stats_layers": q,
                   "plain_ms": statistics.median(t["plain"]) / block,
                   "attached_ms": statistics.median(t[f"{k},{q}"]) / block,
-                  "ratio": paired_ratio(t[f"{k},{q}"], t["plain"])} for k, q in settings]
+                  "ratio": paired_ratio(t[f"{k},{q}"], t["plain"]),
+                  **dict(zip(("ratio_lo", "ratio_hi"), paired_ratio_interval(t[f"{k},{q}"], t["plain"])))}
+                 for k, q in settings]
     return rows
+
+
+def interval_text(row: dict[str, Any]) -> str:
+    """A row's 95 % interval of its median ratio (:func:`experiments.bench.common.median_interval`)
+    as ``[lo, hi]``; ``-`` where the rounds are too few for one."""
+    lo, hi = row.get("ratio_lo", math.nan), row.get("ratio_hi", math.nan)
+    return "-" if math.isnan(lo) or math.isnan(hi) else f"[{lo:.3f}, {hi:.3f}]"
 
 
 def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
     """``head`` lines, then one column per ``(header, key, width, format)`` (format ``"s"``: left
-    aligned text; ``"x"``: a ratio), one line per row."""
+    aligned text; ``"x"``: a ratio; ``"i"``: the row's :func:`interval_text`), one line per row."""
     def cell(r: dict[str, Any], key: str, w: int, f: str) -> str:
+        if f == "i":
+            return f"{interval_text(r):>{w}}"
         return f"{r[key]:<{w}}" if f == "s" else f"{r[key]:>{w - 1}.2f}x" if f == "x" else f"{r[key]:>{w}{f}}"
 
     header = "".join(f"{h:<{w}}" if f == "s" else f"{h:>{w}}" for h, _, w, f in cols)
@@ -146,9 +163,10 @@ def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[di
 def format_every(rows: list[dict[str, Any]]) -> str:
     return _table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
                    "    rules on the MLP, blocks of 16 training steps; median CPU ms (thread_time) per step; ratio: median over rounds of",
-                   "    attached(k, q) / plain in the same round"],
+                   "    attached(k, q) / plain in the same round, and its 95 % interval (distribution-free, order statistics)"],
                   [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
-                   ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, "x")],
+                   ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, ".3f"),
+                   ("95% interval", "ratio", 18, "i")],
                   rows)
 
 
@@ -188,9 +206,10 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
     return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
                    "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
                    f"    (no-op)/update, median CPU ms (thread_time); ratio: median over {rounds} of attached / plain in the",
-                   "    same round (target: <= 1.050)"],
+                   "    same round (target: <= 1.050), and its 95 % interval (distribution-free, order statistics)"],
                   [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
-                   ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, ".3f")],
+                   ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, ".3f"),
+                   ("95% interval", "ratio", 18, "i")],
                   rows)
 
 

@@ -17,6 +17,10 @@ Here a group's ``g`` is the gradient arriving at its output (recorded unscaled, 
 :func:`record_`), its ``W`` the group's weight matrices (tensors of dimension >= 2; ``fan`` their
 largest ``shape[0]``, the length of the backward's accumulation). On a skipped step the groups
 where the overflow originated back off (``layerwise``'s attribution) and the others keep S.
+
+``stats_every = k`` is the reference's ``update_per_n_iteration`` (default 1; its CIFAR example
+recommends 1000): the scales and the weight statistics are recomputed on every k-th update only.
+The weight read is what this rule costs over ``layerwise`` (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ def _setup(name: str, kw: dict):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True, capturable=True)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.float16):
+        # no autocast weight cache: its casts would be graph-pool tensors freed at the context's exit
+        # (torch.cuda.make_graphed_callables refuses the cache for the same reason); numerics unchanged
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
             loss = F.mse_loss(model(x), y) * mult
         s.scale(loss).backward()
         s.step(opt)

@@ -182,10 +182,12 @@ def test_page_shows_the_per_layer_rules_on_the_gpt_step_when_timed():
     result = made_up_result()
     assert "(iii)" not in bench_gpu.format_markdown(result)  # a result without the section (older JSON)
     result["hooks"] = [{"model": "gpt", "strategy": "layerwise", "plain_ms": 10.0, "attached_ms": 10.4,
-                        "extra_ms": 0.4, "ratio": 1.04}]
+                        "extra_ms": 0.4, "ratio": 1.04, "ratio_lo": 1.031, "ratio_hi": 1.052}]
     page = bench_gpu.format_markdown(result)
     assert "## (iii) Per-layer rules attached vs not on the GPT step" in page and "median ms of 7 rounds" in page
-    assert "| gpt | layerwise | 10.000 | 10.400 | 0.400 | 1.04x |" in page
+    assert "| gpt | layerwise | 10.000 | 10.400 | 0.400 | 1.040x | [1.031, 1.052] |" in page
+    del result["hooks"][0]["ratio_lo"]  # a JSON written before the interval: shown as "-"
+    assert "| 1.040x | - |" in bench_gpu.format_markdown(result)
 
 
 def test_the_gpu_section_times_section_c_with_the_given_device_and_clock():

@@ -22,3 +22,17 @@ def test_cpu_bench_writes_no_page_unless_asked(tmp_path, capsys):
     assert bench.main(["--sizes", "2000", "--repeats", "1", "--steps", "1", "--tensors", "2",
                        "--strategies", "native", "--out", str(tmp_path / "b.json")]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["b.json"]
+
+
+def test_sections_c_and_e_run_their_minimum_rounds_unless_repeats_is_given(tmp_path, capsys, monkeypatch):
+    """(c) and (e) judge a ratio against a 5 % target, so a plain run gives them at least
+    HOOK_ROUNDS and EVERY_ROUNDS rounds; an explicit --repeats (or --quick) is taken as given."""
+    from experiments.bench import steps
+
+    asked = []
+    monkeypatch.setattr(steps, "bench_hooks", lambda n: asked.append(("c", n)) or [])
+    monkeypatch.setattr(steps, "bench_every", lambda n: asked.append(("e", n)) or [])
+    base = ["--sizes", "2000", "--steps", "1", "--tensors", "2", "--strategies", "native", "--out", str(tmp_path / "b.json")]
+    assert bench.main(base) == 0
+    assert bench.main(base + ["--repeats", "2"]) == 0
+    assert asked == [("c", steps.HOOK_ROUNDS), ("e", steps.EVERY_ROUNDS), ("c", 2), ("e", 2)]
