@@ -108,7 +108,24 @@ def test_failed_sweeps_from_the_record_are_on_the_page(out: Path, tmp_path: Path
     rp.record_start(rec, "scalelab-reproduce --claims broken", False, ["broken"])
     assert len(rp.read_record(rec)["claims"]["good"]["sweeps"]) == 2
     rp.record_start(rec, "scalelab-reproduce", False, ["good", "broken"])
-    assert rp.read_record(rec)["claims"] == {}
+    assert {k: v["sweeps"] for k, v in rp.read_record(rec)["claims"].items()} == {"good": [], "broken": []}
+
+
+def test_a_page_made_by_two_commands_names_each_with_its_claims(out: Path, tmp_path: Path) -> None:
+    """The runs of one claim made by a later command (``--claims``) and of the others by an
+    earlier one: the page names both commands, each with its claims, not only the last."""
+    rec = tmp_path / "rec"
+    write_fake_runs(rec)
+    rp.record_start(rec, "scalelab-reproduce", False, ["good", "broken"])
+    rp.record_start(rec, "scalelab-reproduce --claims broken", False, ["broken"])
+    rp.write_page(rec, tmp_path / "p.md", FAKE_CLAIMS, quick=False)
+    text = (tmp_path / "p.md").read_text()
+    assert "Made by `scalelab-reproduce` (good) and `scalelab-reproduce --claims broken` (broken) from" in text
+    # a record written before runners were kept names its last command for every claim
+    record = rp.read_record(rec)
+    for entry in record["claims"].values():
+        del entry["runner"]
+    assert rp.made_by(record, ["good", "broken"], "x") == "`scalelab-reproduce --claims broken`"
 
 
 def test_no_registered_claims_still_writes_a_page(tmp_path: Path) -> None:
