@@ -25,6 +25,10 @@ of its reward is not a run status. The scaler alternates with the seed (:func:`s
 split holds both. Seeds 0-7: the detector is fitted on :data:`TRAIN_SEEDS` (0-3) and evaluated on
 4-7, 8 workload twins x 6 workloads = 48 runs on each side.
 
+Harder negatives (:data:`NEAR`): the held-out seeds again at a third of the failing learning rate
+(``<out>/<workload>/near/<strategy>/seed<k>``), closer to the edge than the healthy twins: most
+stay healthy (some skip steps on the way), a few fail. They are only evaluated, never fitted on.
+
 The CPU time of each run trained here (this process's ``time.process_time`` around it) is kept in
 ``<out>/costs.json`` (:data:`COSTS`), so that a later command reusing the runs still states what
 the data cost.
@@ -41,7 +45,8 @@ from experiments.replay import runs
 from experiments.replay.cli import load_trace
 from strategies.tracing import Trace
 
-__all__ = ["COSTS", "FAILED", "Run", "SEEDS", "STRATEGIES", "TRAIN_SEEDS", "WORKLOADS", "collect", "strategy_for"]
+__all__ = ["COSTS", "FAILED", "NEAR", "Run", "SEEDS", "STRATEGIES", "TRAIN_SEEDS", "WORKLOADS", "collect", "overrides",
+           "strategy_for"]
 
 COMMON = ["logger=none", "train.progress=false", "threads=1", "train.log_every=5", "train.hist_every=0",
           "train.fidelity_every=0", "train.checkpoint_every=0", "train.eval_every=0", "train.eval_batches=1"]
@@ -65,6 +70,8 @@ PINNED = {"scale_floor": "native"}
 """Workloads run with one strategy on every seed (``scale_floor``: ``native``'s ``on_min_scale``)."""
 SEEDS = tuple(range(8))
 TRAIN_SEEDS = (0, 1, 2, 3)
+NEAR = 3
+"""The near-edge healthy runs train at the failing learning rate over this (the healthy twins: over 10)."""
 COSTS = "costs.json"
 """``{run directory relative to out: {"cpu_s", "wall_s"}}`` of the runs as they were trained."""
 FAILED = ("diverged", "stalled", "failed")
@@ -84,6 +91,8 @@ class Run:
     """Trained by this command (else reused from an earlier one)."""
     cpu_s: float | None = None
     """CPU seconds its training took (when it was trained; None: not known)."""
+    near: bool = False
+    """A near-edge run (:data:`NEAR`; ``failing`` is then False)."""
 
     @property
     def failed(self) -> bool:
@@ -94,9 +103,16 @@ class Run:
         return self.trace.steps[-1]
 
 
-def _lr(overrides: list[str], failing: bool) -> list[str]:
-    (lr,) = [o for o in overrides if o.startswith("optimizer.lr=")]
-    return [lr if failing else f"optimizer.lr={float(lr.split('=')[1]) / 10:g}"]
+ROLES = {"failing": 1, "healthy": 10, "near": NEAR}
+"""A run's role (its directory) -> what its learning rate is the failing one divided by."""
+
+
+def overrides(workload: str, seed: int, role: str) -> list[str]:
+    """The ``scalelab-train`` overrides of one labelled run (``role``: a key of :data:`ROLES`)."""
+    shared, lr = WORKLOADS[workload]
+    (rate,) = [o for o in lr if o.startswith("optimizer.lr=")]
+    rate = f"optimizer.lr={float(rate.split('=')[1]) / ROLES[role]:g}" if ROLES[role] != 1 else rate
+    return [*COMMON, *shared, rate, f"strategy={strategy_for(seed, workload)}", f"seed={seed}"]
 
 
 def strategy_for(seed: int, workload: str | None = None) -> str:
@@ -104,28 +120,29 @@ def strategy_for(seed: int, workload: str | None = None) -> str:
     return PINNED.get(workload or "", STRATEGIES[seed % len(STRATEGIES)])
 
 
-def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS) -> list[Run]:
-    """Train (or reuse) every labelled run and read its trace."""
+def collect(out: Path, workloads: list[str], seeds: tuple[int, ...] = SEEDS, near: bool = False) -> list[Run]:
+    """Train (or reuse) every labelled run and read its trace: the failing and healthy twins, or
+    (``near``) the near-edge runs."""
     found = []
     try:
         costs = json.loads((out / COSTS).read_text())
     except (OSError, ValueError):
         costs = {}
     for w in workloads:
-        shared, lr = WORKLOADS[w]
         for seed in seeds:
             strategy = strategy_for(seed, w)
-            for failing in (True, False):
-                d = out / w / ("failing" if failing else "healthy") / strategy / f"seed{seed}"
-                overrides = [*COMMON, *shared, *_lr(lr, failing), f"strategy={strategy}", f"seed={seed}"]
-                trained = runs.finished(d, overrides) is None
+            for role in ("near",) if near else ("failing", "healthy"):
+                d = out / w / role / strategy / f"seed{seed}"
+                args = overrides(w, seed, role)
+                trained = runs.finished(d, args) is None
                 cpu0, t0 = time.process_time(), time.perf_counter()
-                summary = runs.train(d, overrides)
+                summary = runs.train(d, args)
                 key = str(d.relative_to(out))
                 if trained:
                     costs[key] = {"cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0}
                     out.mkdir(parents=True, exist_ok=True)
                     (out / COSTS).write_text(json.dumps(costs, indent=1, sort_keys=True))
                 cpu = costs.get(key, {}).get("cpu_s")
-                found.append(Run(w, strategy, seed, failing, summary["status"], load_trace(d), trained, cpu))
+                found.append(Run(w, strategy, seed, role == "failing", summary["status"], load_trace(d), trained, cpu,
+                                 near=role == "near"))
     return found

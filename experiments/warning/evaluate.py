@@ -34,7 +34,7 @@ from experiments.warning import page
 from experiments.warning.data import SEEDS, TRAIN_SEEDS, WORKLOADS, Run, collect
 from strategies.watch.detector import FEATURES, Detector, observations
 
-__all__ = ["L2", "alarm", "auroc", "evaluate", "fit", "main", "missed", "step_features"]
+__all__ = ["L2", "alarm", "auroc", "evaluate", "evaluate_near", "fit", "main", "missed", "step_features"]
 
 L2 = 1.0
 FALSE_ALARMS = 0.05
@@ -167,6 +167,21 @@ def evaluate(runs: list[Run], model: dict[str, Any]) -> dict[str, Any]:
             "false_alarm_runs": false}
 
 
+def evaluate_near(near: list[Run], held_out: list[Run], model: dict[str, Any]) -> dict[str, Any]:
+    """The model on the near-edge runs (:data:`experiments.warning.data.NEAR`): those that stayed
+    healthy as negatives against the held-out runs that failed (AUROC over the same prefix, false
+    alarms over the whole run, as :func:`evaluate`), and those that failed, warned in time or not."""
+    healthy = [r for r in near if not r.failed]
+    failed = [r for r in near if r.failed]
+    e = evaluate([r for r in held_out if r.failed] + healthy, model)
+    f = evaluate(failed, model) if failed else {"detected": 0}
+    return {"runs": len(near), "healthy": len(healthy), "auroc": e["auroc"], "false_alarms": e["false_alarms"],
+            "false_alarm_runs": e["false_alarm_runs"], "failed": len(failed), "failed_detected": f["detected"],
+            "failed_runs": [{"workload": r.workload, "seed": r.seed, "strategy": r.strategy, "end": r.end,
+                             "status": r.status} for r in failed],
+            "skipped_steps": sum(int(sum(r.trace.found_inf)) for r in healthy)}
+
+
 def missed(runs: list[Run], model: dict[str, Any], feats: dict[int, np.ndarray]) -> list[dict[str, Any]]:
     """The failing ``runs`` not warned at a lead >= 20%: where they failed, where the alarm came, and what
     the telemetry showed up to ``0.8 T`` (skipped steps, the highest ``loss_rise``, ``amax_growth`` and
@@ -210,20 +225,25 @@ def main(argv: list[str] | None = None) -> None:
     for w in WORKLOADS:
         held = fit([r for r in train if r.workload != w], feats)
         results["workloads"][w] = {**evaluate([r for r in test if r.workload == w], held), "threshold": held["threshold"]}
+    near = collect(args.out, list(WORKLOADS), tuple(s for s in SEEDS if s not in TRAIN_SEEDS), near=True)
+    results["near"] = evaluate_near(near, test, model)
     results["minutes"] = (time.perf_counter() - t0) / 60
     results["cpu_minutes"] = (time.process_time() - cpu0) / 60
     results["missed"] = missed(test, model, feats)
     results["missed_train"] = missed(train, model, feats)
-    results["trained"] = sum(r.trained for r in runs)
-    known = [r.cpu_s for r in runs if r.cpu_s is not None]
+    results["trained"] = sum(r.trained for r in runs + near)
+    results["labelled"] = len(runs) + len(near)
+    known = [r.cpu_s for r in runs + near if r.cpu_s is not None]
     results["data_cpu_minutes"] = sum(known) / 60 if known else None
     results["data_cpu_known"] = len(known)
     write_text_atomic(args.out / "results.json", json.dumps(results, indent=1))
     write_text_atomic(args.fitted, page.fitted_module(model))
     write_text_atomic(args.page, page.page(results))
     s = results["seeds"]
+    n = results["near"]
     print(f"warning-eval: held-out seeds AUROC {s['auroc']:.3f}, detected {s['detected']}/{s['failing']}, "
-          f"false alarms {s['false_alarms']}/{s['healthy']}; {args.page} and {args.fitted} written "
+          f"false alarms {s['false_alarms']}/{s['healthy']}; near-edge healthy runs: AUROC {n['auroc']:.3f}, "
+          f"false alarms {n['false_alarms']}/{n['healthy']}; {args.page} and {args.fitted} written "
           f"({results['minutes']:.1f} min)")
 
 

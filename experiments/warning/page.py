@@ -7,7 +7,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from experiments.warning.data import COMMON, SEEDS, STRATEGIES, TRAIN_SEEDS, WORKLOADS
+from experiments.warning.data import COMMON, NEAR, SEEDS, STRATEGIES, TRAIN_SEEDS, WORKLOADS
 
 __all__ = ["fitted_module", "page"]
 
@@ -57,8 +57,35 @@ def _data_cost(results: dict[str, Any]) -> str:
     n, cpu = results.get("data_cpu_known", 0), results.get("data_cpu_minutes")
     if not n or cpu is None:
         return ""
-    return (f"; the labelled data cost {cpu:.1f} min of CPU to train ({n} of {len(results['runs'])} runs, each timed "
+    return (f"; the labelled data cost {cpu:.1f} min of CPU to train ({n} of {results.get('labelled', len(results['runs']))} runs, each timed "
             "when it was trained: `costs.json` in the output folder)")
+
+
+def _near(results: dict[str, Any]) -> list[str]:
+    """The held-out seeds' model on the near-edge runs (absent from results written before them)."""
+    n = results.get("near")
+    if not n:
+        return []
+    held = ", ".join(str(s) for s in sorted(set(SEEDS) - set(TRAIN_SEEDS)))
+    alarms = "; ".join(f"`{f['workload']}` seed {f['seed']} at step {f['step']} of {f['end']} ({f['reason']})"
+                       for f in n["false_alarm_runs"])
+    failed = ", ".join(f"`{f['workload']}` seed {f['seed']} ({f['strategy']}, {f['status']} at step {f['end']})"
+                       for f in n["failed_runs"])
+    return [
+        "## Harder negatives: healthy runs nearer the edge", "",
+        f"The healthy twins above train at a tenth of the failing learning rate, which makes them easy to tell apart. "
+        f"The held-out seeds ({held}) again at **1/{NEAR}** of it, scored by the same model and threshold (fitted on "
+        f"seeds {', '.join(map(str, TRAIN_SEEDS))}; these runs are never fitted on): {n['healthy']} of {n['runs']} "
+        f"stayed healthy, skipping {n['skipped_steps']} steps between them.", "",
+        f"* False alarms {_pct(n['false_alarms'], n['healthy'])} on them, "
+        + ("within" if n["false_alarms"] <= TARGETS["false_alarms"] * n["healthy"] else "**above**")
+        + f" the target of {100 * TARGETS['false_alarms']:.0f}%" + (f": {alarms}." if alarms else "."),
+        f"* AUROC {n['auroc']:.3f} of the held-out failing runs against them (at a lead of at least 20% of the "
+        "horizon, as above).",
+        (f"* {n['failed']} failed at 1/{NEAR} of the learning rate ({failed}); warned at a lead of at least 20%: "
+         f"{_pct(n['failed_detected'], n['failed'])}." if n["failed"] else f"* None failed at 1/{NEAR} of the learning rate."),
+        "",
+    ]
 
 
 def _g(x: float | None) -> str:
@@ -188,9 +215,10 @@ def page(results: dict[str, Any]) -> str:
              f"{', '.join(map(str, TRAIN_SEEDS))})", results["seeds"]),
         *(_row(f"workload `{w}` held out (and its seeds)", e) for w, e in results["workloads"].items()), "",
         "Reading:", "", *_reading(results), "",
+        *_near(results),
         "For reference, on the training runs themselves:", "", *header, _row("training runs", results["train"]), "",
         f"Cost: {results['minutes']:.1f} min wall, {results.get('cpu_minutes', float('nan')):.1f} min of CPU for this "
-        f"command ({results['trained']} of {len(results['runs'])} labelled runs trained in it, any others reused from an "
+        f"command ({results['trained']} of {results.get('labelled', len(results['runs']))} labelled runs trained in it, any others reused from an "
         "earlier one; one CPU thread)" + _data_cost(results) + ".", "",
     ]
     return "\n".join(text)

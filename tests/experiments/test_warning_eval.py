@@ -10,7 +10,12 @@ from scipy.optimize import minimize
 from scipy.stats import mannwhitneyu
 
 from experiments.warning.data import Run
-from experiments.warning.evaluate import L2, _samples, _scores, auroc, evaluate, fit, missed, step_features
+import dataclasses
+import math
+
+from experiments.warning.data import NEAR, WORKLOADS, overrides
+from experiments.warning.evaluate import (L2, _samples, _scores, auroc, evaluate, evaluate_near, fit, missed,
+                                          step_features)
 from strategies.tracing import FORMATS, Trace
 
 
@@ -89,3 +94,37 @@ def test_false_alarms_are_listed_with_their_first_step_and_words() -> None:
     assert e["false_alarms"] == len(want) == 3
     assert [(f["seed"], f["step"]) for f in e["false_alarm_runs"]] == want
     assert all(f["reason"] and f["end"] == 60 for f in e["false_alarm_runs"])
+
+
+def test_near_edge_runs_train_at_a_third_of_the_failing_rate_and_the_twins_as_before() -> None:
+    """The twins' overrides are those their runs were trained with (runs are reused by them); the
+    near-edge run differs only in its learning rate, the failing one over NEAR."""
+    for w, (shared, lr) in WORKLOADS.items():
+        (rate,) = lr
+        base = float(rate.split("=")[1])
+        failing, healthy, near = (overrides(w, 5, role) for role in ("failing", "healthy", "near"))
+        assert rate in failing and f"optimizer.lr={base / 10:g}" in healthy and f"optimizer.lr={base / NEAR:g}" in near
+        assert [o for o in near if not o.startswith("optimizer.lr=")] == [o for o in failing if not o.startswith("optimizer.lr=")]
+
+
+def test_near_edge_runs_are_scored_against_the_held_out_failures() -> None:
+    """Near-edge runs that stay healthy are negatives against the held-out runs that failed (each scored
+    up to its failing twin's 0.8 T); those that fail are counted apart, warned in time or not."""
+    held = [run(k, f) for k in range(6, 9) for f in (True, False)]
+    train = [run(k, f) for k in range(6) for f in (True, False)]
+    model = fit(train, {id(r): step_features(r) for r in train})
+    near = [dataclasses.replace(run(k + 50, k % 2 == 0), seed=k, failing=False, near=True) for k in range(6, 10)]
+    n = evaluate_near(near, held, model)
+    healthy = [r for r in near if not r.failed]
+    failed_held = {r.seed: r for r in held if r.failed}
+
+    def top(r, cut):
+        return max([s for st, s in zip(r.trace.steps, _scores(r, model)) if st <= cut], default=0.0)
+
+    pos = [top(r, math.floor(0.8 * r.end)) for r in failed_held.values()]
+    neg = [top(r, math.floor(0.8 * failed_held[r.seed].end) if r.seed in failed_held else r.end) for r in healthy]
+    assert n["healthy"] == len(healthy) == 2 and n["failed"] == 2 and n["runs"] == 4
+    assert n["auroc"] == auroc(pos, neg)
+    assert n["false_alarms"] == sum(max(_scores(r, model)) >= model["threshold"] for r in healthy)
+    assert n["failed_detected"] == evaluate([r for r in near if r.failed], model)["detected"]
+    assert n["skipped_steps"] == sum(int(sum(r.trace.found_inf)) for r in healthy)
