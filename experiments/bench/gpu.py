@@ -17,7 +17,8 @@ float32 gradients, for every registered rule (and :data:`experiments.bench.commo
 and the rules sync once in ``step`` (the skip decision); the events see that as time too.
 
 (iii) **Per-layer rules on the GPT step** — section (c) of the CPU bench on the GPU
-(:mod:`experiments.bench.gpu_hooks`): the attached rules against the plain step, synchronised host clock.
+(:mod:`experiments.bench.gpu_hooks`): the attached rules against the plain step, synchronised host clock,
+and the peak memory of one step each (the caching allocator's, :func:`experiments.bench.common.peak_bytes`).
 
 Method ((i) and (ii)): each round runs every configuration once, in a shuffled order; before each timed
 call the gradients are restored from a master copy and the L2 cache is flushed (a 256 MiB
@@ -333,7 +334,9 @@ def format_markdown(result: dict[str, Any]) -> str:
         *(["## (iii) Per-layer rules attached vs not on the GPT step", "", "The character GPT (4 blocks of width "
            "128, batch 16 x 64, float32): a training step with the rule attached against the same step without, "
            "host clock with a device synchronize at both ends of each step, median ms of "
-           f"{m['repeats']} rounds; the ratio is the median over rounds of attached / plain in the same round.",
+           f"{m['repeats']} rounds; the ratio is the median over rounds of attached / plain in the same round, with "
+           "its 95 % interval; peak MiB: the most one plain step held allocated at once beyond what was allocated "
+           "before it, and +MiB what the attached step held beyond that (the rescaled copies at the boundaries).",
            "", format_hooks_table(result["hooks"]), ""] if result.get("hooks") else []),
         *REGENERATE,
     ]

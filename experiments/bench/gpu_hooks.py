@@ -31,10 +31,16 @@ def bench_hooks_gpu(repeats: int, models: tuple[str, ...] = ("gpt",)) -> list[di
     return bench_hooks(repeats, models, device="cuda", clock=synced_clock)
 
 
+def _mib(row: dict[str, Any], key: str, sign: str = "") -> str:
+    return "-" if key not in row else f"{row[key]:{sign}.1f}"
+
+
 def format_hooks_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (median ms, the ratio and its 95 % interval)."""
-    lines = ["| model | rule | plain ms | attached ms | extra ms | attached / plain | 95% interval |",
-             "|---|---|---|---|---|---|---|"]
+    """The rows as a Markdown table (median ms, the ratio and its 95 % interval, the peak memory of
+    one plain step and what the attached one held beyond it)."""
+    lines = ["| model | rule | plain ms | attached ms | extra ms | attached / plain | 95% interval | peak MiB | +MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['strategy']} | {r['plain_ms']:.3f} | {r['attached_ms']:.3f} | "
-              f"{r['extra_ms']:.3f} | {r['ratio']:.3f}x | {interval_text(r)} |" for r in rows]
+              f"{r['extra_ms']:.3f} | {r['ratio']:.3f}x | {interval_text(r)} | {_mib(r, 'plain_peak_mib')} | "
+              f"{_mib(r, 'extra_peak_mib', '+')} |" for r in rows]
     return "\n".join(lines)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 import strategies
 from experiments.workloads.models import GPT
-from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, paired_ratio_interval
+from experiments.bench.common import (HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, paired_ratio_interval,
+                                     peak_bytes)
 
 __all__ = ["EVERY", "EVERY_ROUNDS", "HOOK_MODELS", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
            "format_hooks", "interval_text"]
@@ -87,12 +88,18 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: 
 
             t = paired_ms({"plain": lambda: train_step(model, plain),
                            "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=clock)
+            memory = {}
+            if device == "cuda":  # the CPU keeps no allocator peak to read (peak_bytes)
+                mib = {k: peak_bytes(fn, device) / 2**20 for k, fn in (("plain", lambda: train_step(model, plain)),
+                                                                         ("hooked", lambda: train_step(attached_model, hooked)))}
+                memory = {"plain_peak_mib": mib["plain"], "attached_peak_mib": mib["hooked"],
+                          "extra_peak_mib": mib["hooked"] - mib["plain"]}
             hooked.detach()
             t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
             lo, hi = paired_ratio_interval(t["hooked"], t["plain"])
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
                          "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"]),
-                         "ratio_lo": lo, "ratio_hi": hi, "rounds": repeats})
+                         "ratio_lo": lo, "ratio_hi": hi, "rounds": repeats, **memory})
     return rows
 
 

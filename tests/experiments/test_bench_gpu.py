@@ -185,7 +185,9 @@ def test_page_shows_the_per_layer_rules_on_the_gpt_step_when_timed():
                         "extra_ms": 0.4, "ratio": 1.04, "ratio_lo": 1.031, "ratio_hi": 1.052}]
     page = bench_gpu.format_markdown(result)
     assert "## (iii) Per-layer rules attached vs not on the GPT step" in page and "median ms of 7 rounds" in page
-    assert "| gpt | layerwise | 10.000 | 10.400 | 0.400 | 1.040x | [1.031, 1.052] |" in page
+    assert "| gpt | layerwise | 10.000 | 10.400 | 0.400 | 1.040x | [1.031, 1.052] | - | - |" in page
+    result["hooks"][0].update(plain_peak_mib=120.0, extra_peak_mib=3.25)
+    assert "| 1.040x | [1.031, 1.052] | 120.0 | +3.2 |" in bench_gpu.format_markdown(result)
     del result["hooks"][0]["ratio_lo"]  # a JSON written before the interval: shown as "-"
     assert "| 1.040x | - |" in bench_gpu.format_markdown(result)
 
@@ -203,3 +205,29 @@ def test_the_gpu_section_times_section_c_with_the_given_device_and_clock():
     assert [r["strategy"] for r in rows] == list(HOOKED) and {r["model"] for r in rows} == {"gpt"}
     assert len(ticks) == 2 * 2 * len(HOOKED)  # before and after each timed step, plain and attached
     assert all(r["plain_ms"] == r["attached_ms"] == 1e3 and r["ratio"] == 1.0 for r in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_bytes_is_the_most_held_at_once_on_the_gpu():
+    """4 MiB and 8 MiB held together, the 4 freed, 4 more: 12 MiB at most (less than 2 MiB more
+    should the caching allocator hand out a larger cached block)."""
+    from experiments.bench.common import peak_bytes
+
+    def step():
+        a = torch.empty(1 << 20, device="cuda")
+        b = torch.empty(2 << 20, device="cuda")
+        del a
+        c = torch.empty(1 << 20, device="cuda")
+        return b, c
+
+    assert 12 << 20 <= peak_bytes(step) < 14 << 20
+    rows = bench_steps.bench_hooks(1, ("gpt",), device="cuda")
+    assert all(r["plain_peak_mib"] > 0 and "extra_peak_mib" in r for r in rows)
+
+
+def test_peak_bytes_refuses_the_cpu():
+    from experiments.bench.common import peak_bytes
+
+    with pytest.raises(ValueError, match="CUDA only"):
+        peak_bytes(lambda: None, "cpu")
