@@ -107,7 +107,7 @@ doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed 
 replay-check: setup ## Replay every strategy on other rules' traces vs real runs, and on the court's runs when runs/court exists (4.1 min of CPU, 18.9 min wall on the loaded 2-core machine): docs/replay.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.replay.check
 
-warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads, and near-edge healthy runs (120 runs: 10.1 min of CPU; seconds when they are reused): docs/early-warning.md
+warning-eval: setup ## Fit and evaluate the early warning on labelled runs, held-out seeds and workloads, and near-edge runs at a third of the failing learning rate (144 runs: 12.5 min of CPU; seconds when they are reused): docs/early-warning.md
 	WANDB_MODE=disabled OMP_NUM_THREADS=1 $(BIN)/python -m experiments.warning.evaluate
 
 clean: ## Remove runs, reports and caches (keeps .venv)

@@ -25,9 +25,10 @@ of its reward is not a run status. The scaler alternates with the seed (:func:`s
 split holds both. Seeds 0-7: the detector is fitted on :data:`TRAIN_SEEDS` (0-3) and evaluated on
 4-7, 8 workload twins x 6 workloads = 48 runs on each side.
 
-Harder negatives (:data:`NEAR`): the held-out seeds again at a third of the failing learning rate
+Harder negatives (:data:`NEAR`): every seed again at a third of the failing learning rate
 (``<out>/<workload>/near/<strategy>/seed<k>``), closer to the edge than the healthy twins: most
-stay healthy (some skip steps on the way), a few fail. They are only evaluated, never fitted on.
+stay healthy (some skip steps on the way), a few fail. Those of the training seeds are fitted on
+with the twins; those of the held-out seeds are only evaluated.
 
 The CPU time of each run trained here (this process's ``time.process_time`` around it) is kept in
 ``<out>/costs.json`` (:data:`COSTS`), so that a later command reusing the runs still states what

@@ -11,7 +11,8 @@ False alarms: healthy runs whose score reaches the threshold anywhere in the who
 
 Fit: logistic regression (numpy, Newton's method, L2 penalty :data:`L2` on the standardised
 features, classes weighted equally, every feature's coefficient >= 0: each feature is a sign of
-risk, never of safety) on per-step samples — a failing run's steps in ``(0.4 T, 0.8 T]``
+risk, never of safety) on per-step samples of the twins and the near-edge runs
+(:data:`experiments.warning.data.NEAR`) — a failing run's steps in ``(0.4 T, 0.8 T]``
 are positives, a healthy run's steps negatives. Threshold: the lowest score at which at most 5% of
 the healthy *training* runs alarm. Splits: held-out seeds (fit on the ``TRAIN_SEEDS`` of every
 workload, evaluate the other seeds) and held-out workloads (for each workload, fit on the others'
@@ -215,24 +216,25 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     t0, cpu0 = time.perf_counter(), time.process_time()
     runs = collect(args.out, list(WORKLOADS), SEEDS)
-    feats = {id(r): step_features(r) for r in runs}
+    near = collect(args.out, list(WORKLOADS), SEEDS, near=True)
+    feats = {id(r): step_features(r) for r in runs + near}
     train = [r for r in runs if r.seed in TRAIN_SEEDS]
     test = [r for r in runs if r.seed not in TRAIN_SEEDS]
-    model = fit(train, feats)
+    near_train = [r for r in near if r.seed in TRAIN_SEEDS]  # fitted on with the twins: the harder negatives
+    model = fit(train + near_train, feats)
     results = {"model": model, "seeds": evaluate(test, model), "train": evaluate(train, model), "workloads": {},
                "runs": [{"workload": r.workload, "strategy": r.strategy, "seed": r.seed, "failing": r.failing,
-                         "status": r.status, "end": r.end} for r in runs]}
+                         "near": r.near, "status": r.status, "end": r.end} for r in runs + near]}
     for w in WORKLOADS:
-        held = fit([r for r in train if r.workload != w], feats)
+        held = fit([r for r in train + near_train if r.workload != w], feats)
         results["workloads"][w] = {**evaluate([r for r in test if r.workload == w], held), "threshold": held["threshold"]}
-    near = collect(args.out, list(WORKLOADS), tuple(s for s in SEEDS if s not in TRAIN_SEEDS), near=True)
-    results["near"] = evaluate_near(near, test, model)
+    results["near"] = evaluate_near([r for r in near if r.seed not in TRAIN_SEEDS], test, model)
+    results["near_train"] = evaluate_near(near_train, train, model)
     results["minutes"] = (time.perf_counter() - t0) / 60
     results["cpu_minutes"] = (time.process_time() - cpu0) / 60
     results["missed"] = missed(test, model, feats)
     results["missed_train"] = missed(train, model, feats)
     results["trained"] = sum(r.trained for r in runs + near)
-    results["labelled"] = len(runs) + len(near)
     known = [r.cpu_s for r in runs + near if r.cpu_s is not None]
     results["data_cpu_minutes"] = sum(known) / 60 if known else None
     results["data_cpu_known"] = len(known)

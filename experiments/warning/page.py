@@ -42,14 +42,19 @@ def _model(model: dict[str, Any]) -> list[str]:
 
 def _data(runs: list[dict]) -> list[str]:
     out = ["| workload | failing twin: overrides | outcomes (failing twin) | outcomes (healthy twin, lr / 10) | "
-           "failing step (median) |", "|---|---|---|---|---|"]
+           f"outcomes (near-edge, lr / {NEAR}) | failing step (median) |", "|---|---|---|---|---|---|"]
+
+    def outcomes(rs: list[dict]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(Counter(r["status"] for r in rs).items())) or "-"
+
     for w, (shared, lr) in WORKLOADS.items():
         rs = [r for r in runs if r["workload"] == w]
-        fail = Counter(r["status"] for r in rs if r["failing"])
-        heal = Counter(r["status"] for r in rs if not r["failing"])
+        near = [r for r in rs if r.get("near")]
+        twins = [r for r in rs if not r.get("near")]
         ends = sorted(r["end"] for r in rs if r["status"] != "completed")
-        out.append(f"| {w} | `{' '.join(shared + lr)}` | {', '.join(f'{k} {v}' for k, v in sorted(fail.items()))} | "
-                   f"{', '.join(f'{k} {v}' for k, v in sorted(heal.items()))} | {ends[len(ends) // 2] if ends else '-'} |")
+        out.append(f"| {w} | `{' '.join(shared + lr)}` | {outcomes([r for r in twins if r['failing']])} | "
+                   f"{outcomes([r for r in twins if not r['failing']])} | {outcomes(near)} | "
+                   f"{ends[len(ends) // 2] if ends else '-'} |")
     return out
 
 
@@ -57,7 +62,7 @@ def _data_cost(results: dict[str, Any]) -> str:
     n, cpu = results.get("data_cpu_known", 0), results.get("data_cpu_minutes")
     if not n or cpu is None:
         return ""
-    return (f"; the labelled data cost {cpu:.1f} min of CPU to train ({n} of {results.get('labelled', len(results['runs']))} runs, each timed "
+    return (f"; the labelled data cost {cpu:.1f} min of CPU to train ({n} of {len(results['runs'])} runs, each timed "
             "when it was trained: `costs.json` in the output folder)")
 
 
@@ -74,9 +79,10 @@ def _near(results: dict[str, Any]) -> list[str]:
     return [
         "## Harder negatives: healthy runs nearer the edge", "",
         f"The healthy twins above train at a tenth of the failing learning rate, which makes them easy to tell apart. "
-        f"The held-out seeds ({held}) again at **1/{NEAR}** of it, scored by the same model and threshold (fitted on "
-        f"seeds {', '.join(map(str, TRAIN_SEEDS))}; these runs are never fitted on): {n['healthy']} of {n['runs']} "
-        f"stayed healthy, skipping {n['skipped_steps']} steps between them.", "",
+        f"Every seed runs again at **1/{NEAR}** of it: the training seeds' near-edge runs are fitted on with the twins "
+        f"(as negatives where they stay healthy), and the held-out seeds' ({held}) are scored by the same model and "
+        f"threshold: {n['healthy']} of {n['runs']} stayed healthy, skipping {n['skipped_steps']} steps between them.",
+        "",
         f"* False alarms {_pct(n['false_alarms'], n['healthy'])} on them, "
         + ("within" if n["false_alarms"] <= TARGETS["false_alarms"] * n["healthy"] else "**above**")
         + f" the target of {100 * TARGETS['false_alarms']:.0f}%" + (f": {alarms}." if alarms else "."),
@@ -199,8 +205,9 @@ def page(results: dict[str, Any]) -> str:
         "## How it was evaluated", "",
         f"Labelled runs (each `{' '.join(COMMON)}`, seeds {', '.join(map(str, SEEDS))}, the scaler "
         f"{' / '.join(STRATEGIES)} alternating with the seed but where a workload pins one): a workload that "
-        "fails by construction and its healthy twin at a tenth of the learning rate. A run's label is its outcome "
-        "(`diverged`/`stalled`/`failed` = failed; a healthy twin that fails counts as failing).", "",
+        "fails by construction and its healthy twin at a tenth of the learning rate, and a near-edge run at a third "
+        "of it (below). A run's label is its outcome "
+        "(`diverged`/`stalled`/`failed` = failed; a healthy twin or near-edge run that fails counts as failing).", "",
         *_data(results["runs"]), "",
         "`finetune_lr_spike` is the natural fine-tuning workload (`conf/workload/finetune.yaml`) with a learning-rate "
         "spike; `scale_floor` is `lr_spike` under `native` with a high floor that raises when reached (the scale "
@@ -218,7 +225,7 @@ def page(results: dict[str, Any]) -> str:
         *_near(results),
         "For reference, on the training runs themselves:", "", *header, _row("training runs", results["train"]), "",
         f"Cost: {results['minutes']:.1f} min wall, {results.get('cpu_minutes', float('nan')):.1f} min of CPU for this "
-        f"command ({results['trained']} of {results.get('labelled', len(results['runs']))} labelled runs trained in it, any others reused from an "
+        f"command ({results['trained']} of {len(results['runs'])} labelled runs trained in it, any others reused from an "
         "earlier one; one CPU thread)" + _data_cost(results) + ".", "",
     ]
     return "\n".join(text)
