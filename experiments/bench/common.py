@@ -17,7 +17,7 @@ import torch
 import strategies
 
 __all__ = ["SUFFIX", "parse_size", "make_params", "restore", "human", "HOOKED", "VARIANTS", "make_scaler",
-    "scaling_step", "NoOpOptimizer", "paired_ms", "paired_ratio", "paired_ratio_interval", "median_interval", "peak_bytes"]
+    "scaling_step", "NoOpOptimizer", "paired_ms", "paired_ratio", "paired_ratio_interval", "median_interval", "peak_bytes", "ratio_fields"]
 
 SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
 
@@ -154,6 +154,12 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 def paired_ratio_interval(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float]:
     """:func:`median_interval` of the per-round ratios a / b: the interval of :func:`paired_ratio`."""
     return median_interval([x / y for x, y in zip(a, b)], level)
+
+
+def ratio_fields(a: list[float], b: list[float]) -> dict[str, float]:
+    """A bench row's ``ratio`` (:func:`paired_ratio` of a over b) and its 95 % interval ``ratio_lo``, ``ratio_hi``."""
+    lo, hi = paired_ratio_interval(a, b)
+    return {"ratio": paired_ratio(a, b), "ratio_lo": lo, "ratio_hi": hi}
 
 
 def peak_bytes(fn: Callable[[], Any], device: str = "cuda") -> int:

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 
 import strategies
 from experiments.workloads.models import GPT
-from experiments.bench.common import (HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, paired_ratio_interval,
-                                     peak_bytes)
+from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, peak_bytes, ratio_fields
 
 __all__ = ["EVERY", "EVERY_ROUNDS", "HOOK_MODELS", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
            "format_hooks", "interval_text"]
@@ -86,20 +85,18 @@ def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: 
                 s.step(opts[id(m)])
                 s.update()
 
-            t = paired_ms({"plain": lambda: train_step(model, plain),
-                           "hooked": lambda: train_step(attached_model, hooked)}, repeats, clock=clock)
+            steps = {"plain": lambda: train_step(model, plain), "hooked": lambda: train_step(attached_model, hooked)}
+            t = paired_ms(steps, repeats, clock=clock)
             memory = {}
             if device == "cuda":  # the CPU keeps no allocator peak to read (peak_bytes)
-                mib = {k: peak_bytes(fn, device) / 2**20 for k, fn in (("plain", lambda: train_step(model, plain)),
-                                                                         ("hooked", lambda: train_step(attached_model, hooked)))}
+                mib = {k: peak_bytes(fn, device) / 2**20 for k, fn in steps.items()}
                 memory = {"plain_peak_mib": mib["plain"], "attached_peak_mib": mib["hooked"],
                           "extra_peak_mib": mib["hooked"] - mib["plain"]}
             hooked.detach()
             t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
-            lo, hi = paired_ratio_interval(t["hooked"], t["plain"])
             rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
-                         "extra_ms": t_hooked - t_plain, "ratio": paired_ratio(t["hooked"], t["plain"]),
-                         "ratio_lo": lo, "ratio_hi": hi, "rounds": repeats, **memory})
+                         "extra_ms": t_hooked - t_plain, **ratio_fields(t["hooked"], t["plain"]), "rounds": repeats,
+                         **memory})
     return rows
 
 
@@ -141,9 +138,7 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
         rows += [{"strategy": label, "stats_every": k, "stats_layers": q,
                   "plain_ms": statistics.median(t["plain"]) / block,
                   "attached_ms": statistics.median(t[f"{k},{q}"]) / block,
-                  "ratio": paired_ratio(t[f"{k},{q}"], t["plain"]),
-                  **dict(zip(("ratio_lo", "ratio_hi"), paired_ratio_interval(t[f"{k},{q}"], t["plain"])))}
-                 for k, q in settings]
+                  **ratio_fields(t[f"{k},{q}"], t["plain"])} for k, q in settings]
     return rows
 
 

@@ -229,7 +229,6 @@ def main(argv: list[str] | None = None) -> None:
         held = fit([r for r in train + near_train if r.workload != w], feats)
         results["workloads"][w] = {**evaluate([r for r in test if r.workload == w], held), "threshold": held["threshold"]}
     results["near"] = evaluate_near([r for r in near if r.seed not in TRAIN_SEEDS], test, model)
-    results["near_train"] = evaluate_near(near_train, train, model)
     results["minutes"] = (time.perf_counter() - t0) / 60
     results["cpu_minutes"] = (time.process_time() - cpu0) / 60
     results["missed"] = missed(test, model, feats)
