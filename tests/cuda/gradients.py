@@ -91,13 +91,15 @@ def make_grads(
     return [make_grad(n, dtype, gen, specials, layouts[k % len(layouts)]) for k, n in enumerate(sizes)]
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     """Bit-identical values; NaNs must sit at the same positions (payloads may differ)."""
     assert a.dtype == b.dtype and a.shape == b.shape
     na, nb = torch.isnan(a), torch.isnan(b)
     assert torch.equal(na, nb), "NaN positions differ"
-    ia = a.contiguous().view(torch.int32 if a.element_size() == 4 else torch.int16)
-    ib = b.contiguous().view(torch.int32 if b.element_size() == 4 else torch.int16)
+    ia, ib = (t.contiguous().view(_SAME_WIDTH_INT[t.element_size()]) for t in (a, b))
     keep = ~na.contiguous()
     diff = (ia != ib) & keep
     assert not diff.any(), f"{int(diff.sum())} elements differ, first at {int(diff.nonzero()[0])}"
