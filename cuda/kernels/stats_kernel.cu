@@ -5,24 +5,27 @@
 // of squares of the unscaled values as stored. Same element classification as the CPU twin
 // (scalelab_common.h).
 //
-// Layout: the host splits every gradient into chunks of kChunk elements and launches one block
-// of kThreads threads per chunk, up to kMaxChunks chunks per launch, the chunk table passed by
-// value as the kernel argument (as torch's multi_tensor_apply does), so no host->device copy and
-// no sync. CUDA 12.1+ allows 32,764 bytes of kernel parameters (Volta and newer): 2000 chunks of
-// 16,384 elements = 32,768,000 elements per launch, and 10M elements already make 611 blocks (4.6
-// per SM on a 132-SM H100); older toolkits get 4 KiB of parameters (250 chunks, 4.1M elements). Each thread moves 16-byte vectors (4 float32 / 8 float16 or bfloat16; kUnroll of them
-// loaded before any is processed), with scalar head/tail elements where a chunk does not start
-// or end on a 16-byte boundary. Blocks reduce in registers/shared memory and fold into a
-// per-group workspace with atomics (double for the sum of squares); a one-block finalize kernel
-// writes the outputs. Every element goes through the same scalar code whatever the path, so
-// gradients, found_inf, abs-max and counts are bit-identical to the CPU twin; the sum of squares
-// (exact squares added in double) depends on the order of additions only in the last bits of a
-// double.
+// Layout: the host splits the gradients of each dtype into chunks (chunk_for(): 2^14 to 2^16
+// elements, the longest that still gives every SM kBlocksPerSm blocks) and launches one block of
+// kThreads threads per chunk, up to kMaxChunks chunks per launch, the chunk table passed by value
+// as the kernel argument (as torch's multi_tensor_apply does), so no host->device copy and no
+// sync. CUDA 12.1+ allows 32,764 bytes of kernel parameters (Volta and newer): 2000 chunks per
+// launch (32.8M to 131M elements); older toolkits get 4 KiB of parameters (250 chunks). Each
+// thread moves 16-byte vectors (4 float32 / 8 float16 or bfloat16; kUnroll of them loaded before
+// any is processed), with scalar head/tail elements where a chunk does not start or end on a
+// 16-byte boundary. 16-bit vectors are classified two lanes per instruction on their bit patterns
+// (visit_pair()), every other element by visit(); both make the same tests on every element.
+// Blocks reduce in registers/shared memory and fold into a per-group workspace with atomics
+// (double for the sum of squares); a one-block finalize kernel writes the outputs. Gradients,
+// found_inf, abs-max and counts are bit-identical to the CPU twin; the sum of squares (exact
+// squares added in double) depends on the order of additions only in the last bits of a double.
 //
 // Compiles with nvcc alone: nvcc -arch=sm_80 -c stats_kernel.cu -I../include
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <atomic>
 
 #include "scalelab_cuda.h"
 
@@ -31,8 +34,11 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int64_t kChunk = 1 << 14;
+constexpr int64_t kChunk = 1 << 14;     // elements per block: the smallest chunk (chunk_for())
+constexpr int64_t kMaxChunk = 1 << 16;  // and the largest
+constexpr int kBlocksPerSm = 8;         // a chunk is halved from kMaxChunk until each SM gets this many
 constexpr int kUnroll = 4;
+static_assert(kMaxChunk / kThreads / 2 < 256, "Lanes::counts holds a thread's pairs of one chunk in 8 bits");
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
 constexpr int kMaxChunks = 2000;  // 2000 * 16 B + 24 B of other arguments <= 32,764 B (CUDA 12.1+)
 constexpr size_t kMaxParamBytes = 32764;
@@ -110,6 +116,90 @@ __device__ __forceinline__ void visit(T& x, float inv, bool write, Partial& a) {
   a.sumsq = __fma_rn(d, d, a.sumsq);
 }
 
+// The vector path of 16-bit gradients: the 8 values of a 16-byte vector as 4 pairs, one pair per
+// 32-bit word. The element classification and both abs-maxima work on the bit patterns, two lanes
+// per instruction: |x| orders as its 16 bits, and Inf and 2^-14 have exact patterns in both
+// formats (kInf, kMinNormal), so every test is the one visit() makes on the float value. Unscaling
+// (one float32 product, rounded to T per lane) and the sum of squares (exact squares in double, in
+// element order) are visit()'s own. A thread's lane counters are folded into its Partial by
+// fold16(); they stay exact while one thread sees fewer than 256 pairs per chunk.
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  static constexpr uint32_t kInf = 0x7c00u;        // |x| >= this: Inf or NaN
+  static constexpr uint32_t kMinNormal = 0x0400u;  // 2^-14
+  static __device__ __forceinline__ float2 to_float2(uint32_t w) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
+  static __device__ __forceinline__ uint32_t from_float2(float2 v) {
+    __half2 h = __float22half2_rn(v);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <> struct Pair<__nv_bfloat16> {
+  static constexpr uint32_t kInf = 0x7f80u;
+  static constexpr uint32_t kMinNormal = 0x3880u;
+  static __device__ __forceinline__ float2 to_float2(uint32_t w) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+  }
+  static __device__ __forceinline__ uint32_t from_float2(float2 v) {
+    __nv_bfloat162 h = __float22bfloat162_rn(v);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// One thread's lane-wise statistics of 16-bit pairs: the maxima of |x| as arrived and as stored
+// (two 16-bit lanes each), and per byte the count of pairs whose lane 0 / lane 1 was below 2^-14
+// (bytes 0, 1) or zero (bytes 2, 3).
+struct Lanes {
+  uint32_t in_max = 0, out_max = 0, counts = 0;
+};
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void visit_pair(uint32_t& w, float inv, bool write, Lanes& l, Partial& a) {
+  using P = Pair<T>;
+  const uint32_t abs_in = w & 0x7fff7fffu;
+  l.in_max = __vmaxu2(l.in_max, abs_in);
+  // |x| - 2^-14 and |x| - 1 per lane (|x| < 2^15, so neither wraps past the lane): the sign bit
+  // of a lane says "below 2^-14" and "zero"; prmt replicates the four sign bits into four bytes.
+  const uint32_t below = __vsub2(abs_in, P::kMinNormal * 0x00010001u), zero = __vsub2(abs_in, 0x00010001u);
+  l.counts += prmt(below, zero, 0xfdb9u) & 0x01010101u;
+  float2 v = P::to_float2(w);
+  if (write) {
+    w = P::from_float2(make_float2(__fmul_rn(v.x, inv), __fmul_rn(v.y, inv)));
+    l.out_max = __vmaxu2(l.out_max, w & 0x7fff7fffu);
+    v = P::to_float2(w);
+  }
+  const double d0 = static_cast<double>(v.x), d1 = static_cast<double>(v.y);
+  a.sumsq = __fma_rn(d0, d0, a.sumsq);
+  a.sumsq = __fma_rn(d1, d1, a.sumsq);
+}
+
+// A thread's lanes into its Partial: the same found_inf, NaN, abs-max and counts as visit() on
+// every element (with write == false, the stored values are the arrived ones).
+template <typename T>
+__device__ __forceinline__ void fold16(const Lanes& l, bool write, Partial& a) {
+  using P = Pair<T>;
+  const uint32_t in_max = max(l.in_max & 0xffffu, l.in_max >> 16);
+  const uint32_t out2 = write ? l.out_max : l.in_max;
+  const uint32_t out_max = max(out2 & 0xffffu, out2 >> 16);
+  a.bad |= in_max >= P::kInf;
+  if (out_max > P::kInf) {
+    a.nan = 1;
+  } else {
+    T x;
+    *reinterpret_cast<uint16_t*>(&x) = static_cast<uint16_t>(out_max);
+    a.absmax_bits = max(a.absmax_bits, float_bits(Conv<T>::to_float(x)));
+  }
+  const uint32_t below = (l.counts & 0xffu) + ((l.counts >> 8) & 0xffu);
+  const uint32_t zeros = ((l.counts >> 16) & 0xffu) + (l.counts >> 24);
+  a.zeros += zeros;
+  a.tiny += below - zeros;
+}
+
 template <typename T>
 __device__ __forceinline__ void visit_scalars(T* __restrict__ p, int lo, int hi, float inv, bool write, Partial& a) {
   for (int i = lo + static_cast<int>(threadIdx.x); i < hi; i += kThreads) {
@@ -150,6 +240,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(ChunkTable table, const
   const int tail = head + nv * V::kSize;
 
   Partial part;
+  Lanes lanes;
   visit_scalars(p, 0, head, inv, write, part);
   V* __restrict__ pv = reinterpret_cast<V*>(p + head);
   for (int base = threadIdx.x; base < nv; base += kThreads * kUnroll) {
@@ -160,12 +251,19 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(ChunkTable table, const
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (base + u * kThreads < nv) {
+        if constexpr (sizeof(T) == 2) {
+          uint32_t* words = reinterpret_cast<uint32_t*>(r[u].v);
 #pragma unroll
-        for (int k = 0; k < V::kSize; ++k) visit(r[u].v[k], inv, write, part);
+          for (int k = 0; k < 4; ++k) visit_pair<T>(words[k], inv, write, lanes, part);
+        } else {
+#pragma unroll
+          for (int k = 0; k < V::kSize; ++k) visit(r[u].v[k], inv, write, part);
+        }
         if (write) pv[base + u * kThreads] = r[u];
       }
     }
   }
+  if constexpr (sizeof(T) == 2) fold16<T>(lanes, write, part);
   visit_scalars(p, tail, c.n, inv, write, part);
 
   double sumsq = part.sumsq;
@@ -223,16 +321,46 @@ __global__ void finalize_kernel(const GroupAccum* __restrict__ acc, int64_t num_
   }
 }
 
+// The current device's multiprocessor count, read once per device.
+int sm_count() {
+  constexpr int kMaxDevices = 256;
+  static std::atomic<int> known[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 1;
+  int n = known[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n < 1) n = 1;
+    known[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Elements per block for `total` elements of one dtype: the largest of kMaxChunk, kMaxChunk / 2,
+// ..., kChunk that still gives every SM kBlocksPerSm blocks. Long blocks stream better (on an H100
+// at 100M fp16 elements 2^16 moves 2.54 TB/s where 2^14 moves 2.13: cuda/bench/sweep.sh); a
+// smaller total needs the shorter blocks to keep every SM busy.
+int64_t chunk_for(int64_t total) {
+  const int64_t want_blocks = static_cast<int64_t>(kBlocksPerSm) * sm_count();
+  int64_t chunk = kMaxChunk;
+  while (chunk > kChunk && total / chunk < want_blocks) chunk /= 2;
+  return chunk;
+}
+
 template <typename T>
 cudaError_t launch_dtype(const GradArg* grads, int64_t num_grads, int32_t dtype, const float* inv_scale,
                          int inv_per_group, GroupAccum* acc, cudaStream_t stream) {
+  int64_t total = 0;
+  for (int64_t k = 0; k < num_grads; ++k)
+    if (grads[k].dtype == dtype) total += grads[k].numel;
+  if (total == 0) return cudaSuccess;
+  const int64_t chunk = chunk_for(total);
   ChunkTable table;
   int used = 0;
   for (int64_t k = 0; k < num_grads; ++k) {
     if (grads[k].dtype != dtype) continue;
     T* base = static_cast<T*>(grads[k].ptr);
-    for (int64_t s = 0; s < grads[k].numel; s += kChunk) {
-      const int64_t n = grads[k].numel - s < kChunk ? grads[k].numel - s : kChunk;
+    for (int64_t s = 0; s < grads[k].numel; s += chunk) {
+      const int64_t n = grads[k].numel - s < chunk ? grads[k].numel - s : chunk;
       table.chunk[used++] = Chunk{base + s, static_cast<int32_t>(n), grads[k].group};
       if (used == kMaxChunks) {  // the table is full: launch it and start the next one
         stats_kernel<T><<<used, kThreads, 0, stream>>>(table, inv_scale, inv_per_group, acc);

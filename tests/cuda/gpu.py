@@ -23,15 +23,27 @@ def no_sync() -> Iterator[None]:
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
-def _geometry() -> tuple[int, int]:
-    """(elements per chunk, chunks per launch) of the statistics pass, read from its source so the
-    re-launch cases follow the kernel (the larger table: CUDA 12.1+)."""
+def _geometry() -> tuple[int, int, int, int]:
+    """(smallest and largest elements per chunk, chunks per launch, blocks wanted per SM) of the
+    statistics pass, read from its source so the re-launch cases follow the kernel (the larger
+    table: CUDA 12.1+)."""
     src = (kernel_build.source_dir() / "kernels" / "stats_kernel.cu").read_text()
     chunk = 1 << int(re.search(r"constexpr int64_t kChunk = 1 << (\d+);", src).group(1))
+    max_chunk = 1 << int(re.search(r"constexpr int64_t kMaxChunk = 1 << (\d+);", src).group(1))
     per_launch = max(int(m) for m in re.findall(r"constexpr int kMaxChunks = (\d+);", src))
-    return chunk, per_launch
+    per_sm = int(re.search(r"constexpr int kBlocksPerSm = (\d+);", src).group(1))
+    return chunk, max_chunk, per_launch, per_sm
 
-CHUNK, CHUNKS_PER_LAUNCH = _geometry()
+CHUNK, MAX_CHUNK, CHUNKS_PER_LAUNCH, BLOCKS_PER_SM = _geometry()
+
+
+def chunk_for(total: int, sms: int) -> int:
+    """The kernel's chunk_for(), restated: the largest of MAX_CHUNK, MAX_CHUNK / 2, ..., CHUNK that
+    leaves ``total // chunk`` at least BLOCKS_PER_SM blocks per SM."""
+    chunk = MAX_CHUNK
+    while chunk > CHUNK and total // chunk < BLOCKS_PER_SM * sms:
+        chunk //= 2
+    return chunk
 
 def to_cuda(gs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Same values, sizes, strides and storage offset (so the same alignment relative to 16 bytes)

@@ -18,7 +18,7 @@ from strategies import kernels
 from strategies.rules.layerwise import layerwise_update_
 from strategies.rules.max_ema import max_ema_update_
 from strategies.stats import GradStats, unscale_and_check, unscale_and_stats, unscale_and_stats_reference
-from tests.cuda.gpu import CHUNK, CHUNKS_PER_LAUNCH, check_stats, no_sync, to_cuda
+from tests.cuda.gpu import CHUNK, CHUNKS_PER_LAUNCH, MAX_CHUNK, check_stats, chunk_for, no_sync, to_cuda
 from tests.cuda.gradients import assert_bits_equal, is_dense, make_grad, make_grads
 
 pytestmark = [
@@ -68,6 +68,20 @@ def test_stats_kernel_relaunch_one_large_gradient(cuda_ops, dtype):
     a = to_cuda(make_grads([n, 1001], dtype, seed=9, specials=("zero", "fp16_min_sub"), layouts=layouts))
     b = to_cuda(make_grads([n, 1001], dtype, seed=9, specials=("zero", "fp16_min_sub"), layouts=layouts))
     got = check_stats(cuda_ops, a, b, torch.tensor([2.0**-10 * 1.375, 3.0], device="cuda"), [0, 1], 2)
+    assert got.numel.tolist() == [n, 1001]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_stats_kernel_relaunch_at_the_largest_chunk(cuda_ops, dtype):
+    """Enough 16-bit elements for the longest chunk (MAX_CHUNK per block) and more of them than one
+    launch carries, in one gradient after a small misaligned one; specials in both."""
+    n = CHUNKS_PER_LAUNCH * MAX_CHUNK + 4099
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert chunk_for(n + 1001, sms) == MAX_CHUNK and n > CHUNKS_PER_LAUNCH * MAX_CHUNK
+    specials = ("zero", "fp16_min_sub", "inf", "nan")
+    a = to_cuda(make_grads([1001, n], dtype, seed=12, specials=specials, layouts=("offset", "contiguous")))
+    b = to_cuda(make_grads([1001, n], dtype, seed=12, specials=specials, layouts=("offset", "contiguous")))
+    got = check_stats(cuda_ops, a, b, torch.tensor([2.0**-13, 0.75], device="cuda"), [1, 0], 2)
     assert got.numel.tolist() == [n, 1001]
 
 
