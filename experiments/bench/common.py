@@ -86,9 +86,11 @@ def make_scaler(name: str, device: str = "cpu") -> Any:
     return strategies.create(name, device=device)
 
 
-def scaling_step(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) -> Callable[[], None]:
+def scaling_step(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor,
+                 unscale: bool = True) -> Callable[[], None]:
     """One training step's scaling calls — ``scale(loss)``, ``unscale_``, ``step``, ``update`` —
-    or, for ``scaler=None`` (no scaling), the loss used as is and ``opt.step()``."""
+    or, for ``scaler=None`` (no scaling), the loss used as is and ``opt.step()``. ``unscale=False``
+    leaves ``unscale_`` to ``step`` (with a fused optimizer: the optimizer unscales)."""
 
     def run() -> None:
         if scaler is None:
@@ -96,7 +98,8 @@ def scaling_step(scaler: Any, opt: torch.optim.Optimizer, loss: torch.Tensor) ->
             opt.step()
         else:
             _ = scaler.scale(loss)
-            scaler.unscale_(opt)
+            if unscale:
+                scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
 
@@ -111,6 +114,15 @@ class NoOpOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # noqa: D102
         return None
+
+
+class NoOpFusedOptimizer(NoOpOptimizer):
+    """A no-op optimizer that takes its scaling as fused Adam/AdamW/SGD do
+    (``_step_supports_amp_scaling``): GradScaler and every strategy hand it ``grad_scale`` and
+    ``found_inf`` on the device instead of reading ``found_inf`` on the host to skip the step, so a
+    step with it never syncs (a fused optimizer skips on the device)."""
+
+    _step_supports_amp_scaling = True
 
 
 def paired_ms(runs: dict[str, Any], repeats: int, seed: int = 0,

@@ -16,6 +16,10 @@ float32 gradients, for every registered rule (and :data:`experiments.bench.commo
 ``torch.amp.GradScaler("cuda")`` and no scaling: median ms and the ratio to GradScaler. GradScaler
 and the rules sync once in ``step`` (the skip decision); the events see that as time too.
 
+(ii b) **Full step with a fused optimizer** — ``scale`` + ``step`` + ``update`` with an optimizer
+that takes ``grad_scale``/``found_inf`` as fused Adam/AdamW/SGD do: no host sync, so the device work
+alone.
+
 (iii) **Per-layer rules on the GPT step** — section (c) of the CPU bench on the GPU
 (:mod:`experiments.bench.gpu_hooks`): the attached rules against the plain step, synchronised host clock,
 and the peak memory of one step each (the caching allocator's, :func:`experiments.bench.common.peak_bytes`).
@@ -45,8 +49,8 @@ from typing import Any, Callable
 import torch
 
 from experiments.app.records import write_text_atomic
-from experiments.bench.common import (NoOpOptimizer, human, make_params, make_scaler, paired_ratio, parse_size,
-                                     restore, scaling_step)
+from experiments.bench.common import (NoOpFusedOptimizer, NoOpOptimizer, human, make_params, make_scaler,
+                                     paired_ratio, parse_size, restore, scaling_step)
 from experiments.bench.gpu_hooks import bench_hooks_gpu, format_hooks_table
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
@@ -211,20 +215,23 @@ def bench_stats_pass(master: list[torch.Tensor], dtype: str, repeats: int, warmu
 
 
 def bench_steps(numel: int, tensors: int, names: list[str], repeats: int, warmup: int,
-                flush: Callable[[], None]) -> list[dict[str, Any]]:
+                flush: Callable[[], None], fused: bool = False) -> list[dict[str, Any]]:
     """Section (ii) at one size: rows shaped as the CPU bench's ``overhead`` rows (what
-    ``scalelab-report --bench`` reads), plus ``device``."""
+    ``scalelab-report --bench`` reads), plus ``device`` and ``fused``. ``fused``: the optimizer
+    takes ``grad_scale``/``found_inf`` (:class:`experiments.bench.common.NoOpFusedOptimizer`), so
+    no call syncs and the events time the device work alone (section (ii b))."""
     params, master = make_params(numel, tensors, device="cuda")
-    opt = NoOpOptimizer(params)
+    opt = NoOpFusedOptimizer(params) if fused else NoOpOptimizer(params)
     loss = torch.tensor(1.0, device="cuda")
-    calls = {n: scaling_step(make_scaler(n, "cuda"), opt, loss) for n in names}
+    calls = {n: scaling_step(make_scaler(n, "cuda"), opt, loss, unscale=not fused) for n in names}
 
     def setup() -> None:
         restore(params, master)
         flush()
 
     ms = time_rounds(calls, setup, repeats, warmup, seed=0)
-    return [{"size": numel, "tensors": tensors, "name": n, "device": "cuda", "median_ms": statistics.median(ms[n]),
+    return [{"size": numel, "tensors": tensors, "name": n, "device": "cuda", "fused": fused,
+             "median_ms": statistics.median(ms[n]),
              "ratio_vs_gradscaler": paired_ratio(ms[n], ms["GradScaler"]) if "GradScaler" in ms else None,
              "samples_ms": ms[n]} for n in names]
 
@@ -238,7 +245,7 @@ def gpu_info() -> dict[str, Any]:
 
 
 def run(opts: GpuOptions, tensors: int, names: list[str], log: Callable[[str], None]) -> dict[str, Any]:
-    """The three sections; returns ``{"stats_pass": rows, "overhead": rows, "hooks": rows}``."""
+    """The sections; returns ``{"stats_pass": rows, "overhead": rows, "fused_steps": rows, "hooks": rows}``."""
     flush = l2_flush()
     stats_rows: list[dict[str, Any]] = []
     for size in opts.stats_sizes:
@@ -247,11 +254,14 @@ def run(opts: GpuOptions, tensors: int, names: list[str], log: Callable[[str], N
         stats_rows += [bench_stats_pass(master, d, opts.repeats, opts.warmup, flush) for d in opts.dtypes]
         del master
     step_rows: list[dict[str, Any]] = []
+    fused_rows: list[dict[str, Any]] = []
     for size in opts.step_sizes:
-        log(f"full steps at {human(size)} parameters ...")
+        log(f"full steps at {human(size)} parameters, then with a fused optimizer ...")
         step_rows += bench_steps(size, min(tensors, size), names, opts.repeats, opts.warmup, flush)
+        fused_rows += bench_steps(size, min(tensors, size), names, opts.repeats, opts.warmup, flush, fused=True)
     log("per-layer rules on the GPT step ...")
-    return {"stats_pass": stats_rows, "overhead": step_rows, "hooks": bench_hooks_gpu(opts.repeats)}
+    return {"stats_pass": stats_rows, "overhead": step_rows, "fused_steps": fused_rows,
+            "hooks": bench_hooks_gpu(opts.repeats)}
 
 
 def _cell(gbps_value: float | None, ms: float | None) -> str:
@@ -331,6 +341,16 @@ def format_markdown(result: dict[str, Any]) -> str:
         "",
         format_steps_table(result["overhead"]),
         "",
+        *(["## (ii b) Full step with a fused optimizer: no host sync", "",
+           "scale + step + update (`unscale_` left to `step`) with an optimizer that takes its scaling as fused "
+           "Adam/AdamW/SGD do (`_step_supports_amp_scaling`, here a no-op): GradScaler and the rules hand it "
+           "`grad_scale` and `found_inf` on the device and nothing reads the host, so the events time the device "
+           "work alone "
+           "(the host's launches run ahead behind the GPU sleep, as in training with a fused optimizer). "
+           "Neither side unscales: GradScaler checks the gradients for Inf/NaN with its unscale kernel at "
+           "scale 1, the global rules read them once (the statistics pass without its write); the per-layer "
+           "rules still unscale (their scales differ by group).",
+           "", format_steps_table(result["fused_steps"]), ""] if result.get("fused_steps") else []),
         *(["## (iii) Per-layer rules attached vs not on the GPT step", "", "The character GPT (4 blocks of width "
            "128, batch 16 x 64, float32): a training step with the rule attached against the same step without, "
            "host clock with a device synchronize at both ends of each step, median ms of "

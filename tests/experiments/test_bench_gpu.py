@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.bench import cli as bench, gpu as bench_gpu, steps as bench_steps
+from experiments.bench import cli as bench, common, gpu as bench_gpu, steps as bench_steps
 from experiments.bench.common import HOOKED
+from tests.helpers import forbid_host_sync
 
 
 def options(*argv: str) -> bench_gpu.GpuOptions:
@@ -160,6 +161,8 @@ def test_gpu_bench_smoke(tmp_path):
     names = {"none", "GradScaler", "native", "max_ema", "layerwise", "layerwise_adaloss"}
     assert {(r["name"], r["size"]) for r in data["overhead"]} == {(n, s) for n in names for s in (100_000, 200_000)}
     assert all(r["ratio_vs_gradscaler"] == pytest.approx(1.0) for r in data["overhead"] if r["name"] == "GradScaler")
+    assert {(r["name"], r["size"]) for r in data["fused_steps"]} == {(n, s) for n in names for s in (100_000, 200_000)}
+    assert all(r["fused"] for r in data["fused_steps"]) and not any(r["fused"] for r in data["overhead"])
     assert data["meta"]["device"] == "cuda" and data["meta"]["gpu"]
     assert page.read_text(encoding="utf-8") == bench_gpu.format_markdown(data)
 
@@ -176,6 +179,29 @@ def test_the_page_names_the_gpu_pass_and_the_makefile_runs_it_within_8_minutes()
     assert "-m gpu tests/cuda tests/experiments/test_bench_gpu.py" in recipe[0]
     assert "scalelab-bench --device cuda" in recipe[1] and "--write-docs docs/bench.md" in recipe[1]
     assert sum(int(line.split("timeout ", 1)[1].split()[0]) for line in recipe) <= 8 * 60
+
+
+def test_page_shows_the_fused_optimizer_steps_when_timed():
+    result = made_up_result()
+    assert "(ii b)" not in bench_gpu.format_markdown(result)  # a result without the section (older JSON)
+    result["fused_steps"] = [{**r, "fused": True, "median_ms": r["median_ms"] / 2} for r in result["overhead"]]
+    page = bench_gpu.format_markdown(result)
+    assert "## (ii b) Full step with a fused optimizer: no host sync" in page
+    section = page.split("## (ii b)", 1)[1].split("\n## ", 1)[0]
+    assert "| max_ema | 0.300 / 1.20x | 3.000 / 1.20x |" in section
+
+
+@pytest.mark.parametrize("name", ["GradScaler", "native", "max_ema", "layerwise", "layerwise_adaloss", "hybrid"])
+def test_a_fused_optimizer_step_reads_nothing_on_the_host(name):
+    """Section (ii b) times the device alone only if no call of its step reads a tensor on the host
+    (on the CPU no read syncs, so a read is caught where it is asked for)."""
+    params, _ = common.make_params(1000, 4)
+    step = common.scaling_step(common.make_scaler(name), common.NoOpFusedOptimizer(params), torch.tensor(1.0),
+                               unscale=False)
+    step()  # lazy state
+    with forbid_host_sync():
+        for _ in range(3):
+            step()
 
 
 def test_page_shows_the_per_layer_rules_on_the_gpt_step_when_timed():
