@@ -92,7 +92,7 @@ def gather(
     found: dict[torch.device, torch.Tensor] = {}
     total: GradStats | None = None
     for device, gs in grads.items():
-        inv = inv_all.to(device, non_blocking=True) if unscale else torch.ones((), device=device)
+        inv = inv_all.to(device, non_blocking=True) if unscale else _one(device)
         if with_stats:
             index = group_index(params[device]) if group_index is not None else None
             if parts:  # the sharded gradients count in groups G..2G-1
@@ -124,6 +124,18 @@ def gather(
     total = total if total is not None else GradStats.empty(groups, scale.device)
     total = all_reduce_parts(total, num_groups) if parts else total.all_reduce("replicated")
     return {scale.device: total.found_inf.amax()}, total
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1 on ``device``, made once (the read-only pass's scale; a new one per step was a
+    kernel launch on a GPU). The pass only reads it."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), device=device)
+    return one
 
 
 def _sampled_pass(gs: list[torch.Tensor], inv: torch.Tensor, sample: float) -> GradStats:

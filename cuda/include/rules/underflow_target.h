@@ -44,6 +44,13 @@ struct UnderflowTargetUpdate {
       if (hist[i] > 0.f) e_max = static_cast<double>(kExpLo + i);
       hist[i] = 0.f;
     }
+    place(n, j_star, e_max);
+  }
+
+  // The scale from the histogram's total n, its last bin whose running count is within
+  // target * n (j_star; kExpLo - 1 if none) and its last nonempty bin (e_max; kExpLo if none):
+  // the serial loop above and the CUDA kernel's parallel scan (update_kernels.cu) both end here.
+  SCALELAB_HD void place(double n, double j_star, double e_max) const {
     const double k_under = p.e_min - 1.0 - j_star, k_over = p.e_over - e_max;
     double k = k_under < k_over ? k_under : k_over;
     k = k < -p.max_shift ? -p.max_shift : (k > p.max_shift ? p.max_shift : k);
