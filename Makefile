@@ -97,9 +97,10 @@ stats-schedule: setup ## stats_every / stats_layers against k=1, all layers, pai
 	$(BIN)/python -m analysis.stats_schedule runs/stats_schedule --cost "39 runs, $$(cat runs/stats_schedule.time) on $$(nproc) CPUs (make stats-schedule)"
 
 GPU_ARCH ?= 9.0
-gpu-pass: ## On a CUDA machine (torch with CUDA in .venv), <= 8 min: every gpu-marked test, then docs/bench.md
-	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 360 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/cuda tests/experiments/test_bench_gpu.py
-	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 120 $(BIN)/scalelab-bench --device cuda --out bench-gpu.json --write-docs docs/bench.md
+GPU_PY ?= $(BIN)/python
+gpu-pass: ## On a CUDA machine (torch with CUDA in .venv, or GPU_PY=python3 with hydra-core installed), <= 8 min: every gpu-marked test, then docs/bench.md
+	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 360 $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/cuda tests/experiments/test_bench_gpu.py
+	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 120 $(GPU_PY) -m experiments.bench.cli --device cuda --out bench-gpu.json --write-docs docs/bench.md
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate

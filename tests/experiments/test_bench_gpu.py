@@ -177,7 +177,7 @@ def test_the_page_names_the_gpu_pass_and_the_makefile_runs_it_within_8_minutes()
     make = (root / "Makefile").read_text(encoding="utf-8")
     recipe = make.split("\ngpu-pass:", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
     assert "-m gpu tests/cuda tests/experiments/test_bench_gpu.py" in recipe[0]
-    assert "scalelab-bench --device cuda" in recipe[1] and "--write-docs docs/bench.md" in recipe[1]
+    assert "-m experiments.bench.cli --device cuda" in recipe[1] and "--write-docs docs/bench.md" in recipe[1]
     assert sum(int(line.split("timeout ", 1)[1].split()[0]) for line in recipe) <= 8 * 60
 
 
