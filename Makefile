@@ -33,7 +33,7 @@ COURT_LONG_OUT  ?= runs/court_long
 COURT_LONG_PAGE ?= docs/court-long.md
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-all compare compare-full stress court court-long report reproduce bench gpu-pass stats-schedule doctor-eval replay-check warning-eval clean
+.PHONY: help setup test test-all compare compare-full stress court court-long report reproduce bench gpu-pass gpu-sweep stats-schedule doctor-eval replay-check warning-eval clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -101,6 +101,9 @@ GPU_PY ?= $(BIN)/python
 gpu-pass: ## On a CUDA machine (torch with CUDA in .venv, or GPU_PY=python3 with hydra-core installed), <= 8 min: every gpu-marked test, then docs/bench.md
 	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 360 $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/cuda tests/experiments/test_bench_gpu.py
 	TORCH_CUDA_ARCH_LIST="$(GPU_ARCH)" timeout 120 $(GPU_PY) -m experiments.bench.cli --device cuda --out bench-gpu.json --write-docs docs/bench.md
+
+gpu-sweep: ## On a CUDA machine with nvcc, ~1 min: the statistics kernel per launch geometry beside a plain copy, scale and read of the same bytes, results checked equal (cuda/bench/sweep.sh)
+	cuda/bench/sweep.sh build build/sweep sm_$(subst .,,$(GPU_ARCH)) && cuda/bench/sweep.sh run build/sweep
 
 doctor-eval: setup ## The doctor's labelled fault suite: accuracy table printed and written to docs/doctor.md
 	OMP_NUM_THREADS=1 $(BIN)/python -m experiments.doctor.evaluate
