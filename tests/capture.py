@@ -60,8 +60,8 @@ def capture_blocker(name: str, kw: dict) -> str:
 def capture_cases() -> tuple[list[Any], list[Any]]:
     """``tests.helpers.strategy_cases()`` split into the capturable ones and those with a
     :func:`capture_blocker`."""
-    cases = strategy_cases()
-    return ([c for c in cases if not capture_blocker(*c.values)], [c for c in cases if capture_blocker(*c.values)])
+    blocked = [(c, bool(capture_blocker(*c.values))) for c in strategy_cases()]
+    return [c for c, b in blocked if not b], [c for c, b in blocked if b]
 
 
 def train_steps(s: strategies.Strategy, loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,

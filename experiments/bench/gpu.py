@@ -347,9 +347,9 @@ def format_markdown(result: dict[str, Any]) -> str:
            "`grad_scale` and `found_inf` on the device and nothing reads the host, so the events time the device "
            "work alone "
            "(the host's launches run ahead behind the GPU sleep, as in training with a fused optimizer). "
-           "Neither side unscales: GradScaler checks the gradients for Inf/NaN with its unscale kernel at "
-           "scale 1, the global rules read them once (the statistics pass without its write); the per-layer "
-           "rules still unscale (their scales differ by group).",
+           "GradScaler and the global rules leave the unscaling to the optimizer: GradScaler checks the gradients "
+           "for Inf/NaN with its unscale kernel at scale 1, the global rules read them once (the statistics pass "
+           "without its write); the per-layer rules still unscale (their scales differ by group).",
            "", format_steps_table(result["fused_steps"]), ""] if result.get("fused_steps") else []),
         *(["## (iii) Per-layer rules attached vs not on the GPT step", "", "The character GPT (4 blocks of width "
            "128, batch 16 x 64, float32): a training step with the rule attached against the same step without, "

@@ -25,9 +25,14 @@ def _pct(n: int, d: int) -> str:
     return f"{n}/{d} ({100 * n / d:.0f}%)" if d else "-"
 
 
+def _alarms_within(e: dict[str, Any]) -> bool:
+    """An evaluation's false alarms within the target share of its healthy runs."""
+    return e["false_alarms"] <= TARGETS["false_alarms"] * e["healthy"]
+
+
 def _row(name: str, e: dict[str, Any]) -> str:
     lead = "-" if e["lead_median"] is None else f"{100 * e['lead_median']:.0f}%"
-    ok = (e["auroc"] >= TARGETS["auroc"], e["false_alarms"] <= TARGETS["false_alarms"] * e["healthy"])
+    ok = (e["auroc"] >= TARGETS["auroc"], _alarms_within(e))
     return (f"| {name} | {e['failing']} / {e['healthy']} | {e['auroc']:.3f} | {_pct(e['detected'], e['failing'])} | {lead} "
             f"| {_pct(e['false_alarms'], e['healthy'])} | {'met' if all(ok) else 'missed: ' + ', '.join(n for n, o in zip(('AUROC', 'false alarms'), ok) if not o)} |")
 
@@ -84,7 +89,7 @@ def _near(results: dict[str, Any]) -> list[str]:
         f"threshold: {n['healthy']} of {n['runs']} stayed healthy, skipping {n['skipped_steps']} steps between them.",
         "",
         f"* False alarms {_pct(n['false_alarms'], n['healthy'])} on them, "
-        + ("within" if n["false_alarms"] <= TARGETS["false_alarms"] * n["healthy"] else "**above**")
+        + ("within" if _alarms_within(n) else "**above**")
         + f" the target of {100 * TARGETS['false_alarms']:.0f}%" + (f": {alarms}." if alarms else "."),
         f"* AUROC {n['auroc']:.3f} of the held-out failing runs against them (at a lead of at least 20% of the "
         "horizon, as above).",
