@@ -48,113 +48,19 @@ a group, a recursion) is nested: that user sees only the outer call.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._pytree import tree_map
 
+from strategies.boundary_calls import GradFn, Handle, Hook, Trace, User, Walk, any_call, timed
 from strategies.graph_walk import flat, mark, reached, tensors_in
 
 __all__ = ["STAGES", "Boundaries", "Trace"]
 
 STAGES = ("rescale", "quantize", "observe")
-
-
-GradFn = Callable[["Trace", int, torch.Tensor], "torch.Tensor | None"]
-
-
-@dataclass(eq=False)
-class Trace:
-    """The hooked module calls of one forward pass, in order (host-side bookkeeping only).
-
-    ``data`` holds each user's own bookkeeping of this pass (keyed by the user); ``closed``: the
-    next hooked call starts a new trace (the root forward returned, or a backward reached it)."""
-
-    calls: list[torch.nn.Module] = field(default_factory=list)
-    data: dict[Any, Any] = field(default_factory=dict)
-    closed: bool = False
-    open: list[torch.nn.Module] = field(default_factory=list)  # hooked calls in progress (nesting)
-
-
-@dataclass(eq=False)
-class _User:
-    stage: str
-    modules: set[int]
-    on_grad: GradFn | None
-    on_call: Callable[[Trace, int], None] | None
-    on_end: Callable[[Trace], None] | None
-    when: Callable[[], bool] | None
-    on_link: Callable[[Trace, int, list[tuple[Trace, int]], list[torch.Tensor]], None] | None = None
-    on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None
-    owner: Any = None
-    seconds: float = 0.0  # host time spent in this user's callbacks so far
-
-
-def _timed(user: _User, fn: Callable[..., Any], *args: Any) -> Any:
-    t0 = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        user.seconds += time.perf_counter() - t0
-
-
-class Handle:
-    def __init__(self, owner: "Boundaries", user: _User) -> None:
-        self._owner, self._user = owner, user
-
-    @property
-    def seconds(self) -> float:
-        """Host seconds this user's callbacks (forward and backward) have run so far."""
-        return self._user.seconds
-
-    def remove(self) -> None:
-        self._owner._remove(self._user)
-
-
-def _any(trace: Trace, i: int) -> bool:
-    return True
-
-
-class _Hook:
-    """The users' transforms of one call's output, in stage order: a tensor hook on the returned
-    view, or — once an in-place op on that view has routed the gradient around it (found by a
-    walk, :meth:`move_to`) — a pre-hook on the node that produced the output."""
-
-    def __init__(self, chain: list[_User], trace: Trace, i: int) -> None:
-        self.chain, self.trace, self.i, self.moved = chain, trace, i, False
-
-    def __call__(self, g: torch.Tensor) -> torch.Tensor | None:
-        if self.moved:
-            return None
-        return self.run(g)
-
-    def run(self, g: torch.Tensor) -> torch.Tensor | None:
-        self.trace.closed = True
-        out = None
-        for u in self.chain:
-            new = _timed(u, u.on_grad, self.trace, self.i, g)
-            if new is not None:
-                g = out = new
-        return out
-
-    def move_to(self, node: Any, nr: int) -> None:
-        """Transform at the producer's output ``nr`` instead: an in-place op on the returned view
-        (``ReLU(inplace=True)``) sends the gradient there through ``CopySlices``, not through the
-        view (the in-place op also means the producer did not save its output)."""
-        if self.moved:
-            return
-        self.moved = True
-
-        def pre(grads: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            g = grads[nr]
-            new = None if g is None else self.run(g)
-            return None if new is None else tuple(new if k == nr else x for k, x in enumerate(grads))
-
-        node.register_prehook(pre)
 
 
 class Boundaries:
@@ -168,7 +74,8 @@ class Boundaries:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model_ref = weakref.ref(model)
-        self._users: list[_User] = []
+        self._users: list[User] = []
+        self._by_module: dict[int, list[User]] = {}  # the users of each hooked module, in stage order
         self._hooks: dict[int, Any] = {}
         self._root_hooks: list[Any] = []
         self._disabled = 0
@@ -198,7 +105,7 @@ class Boundaries:
         on_end: Callable[[Trace], None] | None = None,
         when: Callable[[], bool] | None = None,
         on_link: Callable[[Trace, int, list[tuple[Trace, int]], list[torch.Tensor]], None] | None = None,
-        on_inputs: Callable[[torch.nn.Module, torch.Tensor], "torch.Tensor | None"] | None = None,
+        on_inputs: Callable[[torch.nn.Module, torch.Tensor, list[tuple[Trace, int]]], "torch.Tensor | None"] | None = None,
         owner: Any = None,
     ) -> Handle:
         """Call ``on_call(trace, i)`` at each call of one of ``modules`` (forward, grad enabled),
@@ -207,9 +114,10 @@ class Boundaries:
         given, is asked at each call in forward: False leaves this call's gradient untouched by
         ``on_grad`` (decided in forward, so a backward run later agrees). ``on_link(trace, i, below,
         leaves)``: at each call, this user's earlier calls whose outputs the call's tensor arguments
-        consume, and the leaves the ops between use (:func:`reached`). ``on_inputs(module, t)``:
-        before each call, each tensor argument that requires grad; a returned tensor (a
-        :func:`strategies.graph_walk.fence`) is passed instead. A call made inside another call of
+        consume, and the leaves the ops between use (:func:`reached`). ``on_inputs(module, t, below)``:
+        before each call, each tensor argument that requires grad, with this user's earlier calls
+        whose outputs it consumes; a returned tensor (a :func:`strategies.graph_walk.fence`) is
+        passed instead. A call made inside another call of
         the same user's modules (an aliased module, a recursion) is nested: that user sees only the
         outer one. ``owner`` (a strategy): refused with one ``ValueError`` while another owner has
         hooks on this model or on one of its modules."""
@@ -218,9 +126,10 @@ class Boundaries:
         modules = list(modules)
         if owner is not None:
             self._refuse_second_owner(owner)
-        user = _User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, on_inputs, owner)
+        user = User(stage, {id(m) for m in modules}, on_grad, on_call, on_end, when, on_link, on_inputs, owner)
         self._users.append(user)
         self._users.sort(key=lambda u: STAGES.index(u.stage))  # stable: same stage keeps its order
+        self._index_users()
         for m in modules:
             if id(m) not in self._hooks:
                 self._hooks[id(m)] = (m.register_forward_pre_hook(self._on_input, with_kwargs=True),
@@ -230,6 +139,12 @@ class Boundaries:
             self._root_hooks = [model.register_forward_pre_hook(self._start),
                                 model.register_forward_hook(self._end)]
         return Handle(self, user)
+
+    def _index_users(self) -> None:
+        self._by_module = {}
+        for u in self._users:
+            for mid in u.modules:
+                self._by_module.setdefault(mid, []).append(u)
 
     def _refuse_second_owner(self, owner: Any) -> None:
         model = self._model_ref()
@@ -242,10 +157,11 @@ class Boundaries:
                         f"{type(model).__name__} already carries the boundary hooks of strategy {name!r} (attached to "
                         f"{type(other_model).__name__}); call that strategy's detach() before attaching another")
 
-    def _remove(self, user: _User) -> None:
+    def _remove(self, user: User) -> None:
         if user not in self._users:
             return
         self._users.remove(user)
+        self._index_users()
         still = set().union(*(u.modules for u in self._users)) if self._users else set()
         for mid in list(self._hooks):
             if mid not in still:
@@ -260,7 +176,7 @@ class Boundaries:
     def settle(self, tensors: Any) -> None:
         """Before a backward of ``tensors`` (a strategy's ``scale()``): move the transforms of the
         calls whose returned view the ops up to ``tensors`` modified in place (:func:`reached`)."""
-        reached(tensors_in(tensors), _any)
+        reached(tensors_in(tensors), any_call)
 
     def _start(self, module: torch.nn.Module, args: Any) -> None:
         self.trace = None if self._disabled else Trace()
@@ -269,78 +185,124 @@ class Boundaries:
         trace = self.trace
         if trace is not None:
             trace.closed = True
-            reached(tensors_in(output), _any)  # in-place ops on the last calls' views, inside the forward
+            reached(tensors_in(output), any_call)  # in-place ops on the last calls' views, inside the forward
             for u in list(self._users):
                 if u.on_end is not None:
-                    _timed(u, u.on_end, trace)
+                    timed(u, u.on_end, trace)
 
     def _current(self) -> Trace:
         if self.trace is None or self.trace.closed:  # called outside the model's own forward
             self.trace = Trace()
         return self.trace
 
-    @staticmethod
-    def _outer(users: list[_User], module: torch.nn.Module, trace: Trace) -> list[_User]:
+    def _outer(self, module: torch.nn.Module, trace: Trace) -> list[User]:
         """The users of ``module`` for whom this call is not nested in a call of their modules."""
-        return [u for u in users if id(module) in u.modules and not any(id(m) in u.modules for m in trace.open)]
+        users = self._by_module.get(id(module), [])
+        if not trace.open:
+            return users
+        return [u for u in users if not any(id(m) in u.modules for m in trace.open)]
 
     def _on_input(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if self._disabled or not torch.is_grad_enabled():
             return None
         trace = self._current()
-        users = [u for u in self._outer(self._users, module, trace) if u.on_inputs is not None]
+        users = [u for u in self._outer(module, trace) if u.on_inputs is not None]
         trace.open.append(module)
+        walks: list[Walk] = []
+        trace.walks.append(walks)
+        if not users:
+            return None
         changed = False
 
         def swap(t: Any) -> Any:
             nonlocal changed
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                for u in users:
-                    new = _timed(u, u.on_inputs, module, t)
-                    if new is not None:
-                        t, changed = new, True
-            return t
+            new = self._swap(users, module, t, walks)
+            changed |= new is not t
+            return new
 
-        if not users:
-            new_args, new_kwargs = args, kwargs
-        elif not kwargs and flat(args):  # the common call: positional tensors, no pytree
-            new_args, new_kwargs = tuple(swap(t) for t in args), kwargs
+        if not kwargs and flat(args):  # the common call: positional tensors, no pytree
+            new_args, new_kwargs = tuple([swap(t) for t in args]), kwargs
         else:
             new_args, new_kwargs = tree_map(swap, (args, kwargs))
         return (new_args, new_kwargs) if changed else None
+
+    def _swap(self, users: list[User], module: torch.nn.Module, t: Any, walks: list["Walk"]) -> Any:
+        """Argument ``t`` as the users' ``on_inputs`` pass it on (a fence in place of it, or ``t``)."""
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            for u in users:
+                new = timed(u, self._inputs, u, module, t, walks)
+                if new is not None:
+                    t = new
+        return t
+
+    @staticmethod
+    def _inputs(u: User, module: torch.nn.Module, t: torch.Tensor, walks: list[Walk]) -> torch.Tensor | None:
+        """``u.on_inputs(module, t, below)`` with ``below`` the walk from ``t`` to ``u``'s calls; the
+        walk is kept (``walks``) for ``u``'s links after the call unless ``t`` is replaced."""
+        leaves: list[torch.Tensor] = []
+        below = reached((t,), u.stop, leaves)
+        new = u.on_inputs(module, t, below)
+        if new is None:
+            walks.append(Walk(u, id(t), t._version, below, leaves))
+        return new
+
+    @staticmethod
+    def _below(u: User, inputs: list[torch.Tensor], walks: list[Walk], leaves: list[torch.Tensor]) -> list[tuple[Trace, int]]:
+        """The walk from a call's ``inputs`` to ``u``'s calls (:func:`reached`): the one made before
+        the call (:meth:`_inputs`) for a single argument still the same tensor at the same version,
+        else a new one."""
+        if len(inputs) == 1:
+            x = inputs[0]
+            for w in walks:
+                if w.user is u and w.tid == id(x) and w.version == x._version:
+                    leaves.extend(w.leaves)
+                    return list(w.below)
+        return reached(inputs, u.stop, leaves)
+
+    def _link(self, u: User, trace: Trace, i: int, inputs: list[torch.Tensor], walks: list[Walk]) -> None:
+        leaves: list[torch.Tensor] = []
+        below = self._below(u, inputs, walks, leaves)
+        u.on_link(trace, i, below, leaves)
 
     def _on_output(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self._disabled or not torch.is_grad_enabled():
             return None
         trace = self._current()
-        if module in trace.open:  # the innermost call of this module is the one returning
-            del trace.open[len(trace.open) - 1 - trace.open[::-1].index(module)]
+        walks: list[Walk] = []
+        if trace.open and trace.open[-1] is module:  # the common call: not nested, nothing else open
+            trace.open.pop()
+            walks = trace.walks.pop()
+        elif module in trace.open:  # the innermost call of this module is the one returning
+            j = len(trace.open) - 1 - trace.open[::-1].index(module)
+            del trace.open[j]
+            walks = trace.walks.pop(j)
         i = len(trace.calls)
         trace.calls.append(module)
         inputs = tensors_in(args if not kwargs else (args, kwargs))
-        users = self._outer(self._users, module, trace)
+        users = self._outer(module, trace)
         if not any(u.on_link is not None for u in users):  # else a link walk below passes every call this one stops at
-            reached(inputs, _any)  # moves the transforms of earlier calls whose view was modified in place
+            reached(inputs, any_call)  # moves the transforms of earlier calls whose view was modified in place
         for u in users:
             if u.on_call is not None:
-                _timed(u, u.on_call, trace, i)
+                timed(u, u.on_call, trace, i)
             if u.on_link is not None:
-                leaves: list[torch.Tensor] = []
-                mine = u.modules
-                below = _timed(u, reached, inputs, lambda tr, k: id(tr.calls[k]) in mine, leaves)
-                _timed(u, u.on_link, trace, i, below, leaves)
+                timed(u, self._link, u, trace, i, inputs, walks)
         chain = [u for u in users if u.on_grad is not None and (u.when is None or u.when())]
-        hook = _Hook(chain, trace, i) if chain else None
+        hook = Hook(chain, trace, i) if chain else None
+        if isinstance(output, torch.Tensor):
+            return self._wrap(output, trace, i, hook)
+        return tree_map(lambda t: self._wrap(t, trace, i, hook), output)
 
-        def wrap(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor) or not t.requires_grad:
-                return t
-            out = t.view_as(t)  # consumers' side of the boundary; the module's own ops keep t
-            for node, nr, around in ((out.grad_fn, 0, False), (t.grad_fn, t.output_nr, True)):
-                if node is not None:
-                    mark(node, nr, trace, i, hook, around)
-            if hook is not None:
-                out.register_hook(hook)
-            return out
-
-        return wrap(output) if isinstance(output, torch.Tensor) else tree_map(wrap, output)
+    @staticmethod
+    def _wrap(t: Any, trace: Trace, i: int, hook: "Hook | None") -> Any:
+        """``t`` (an output of call ``i``) as the consumers' side of the boundary: a marked view
+        with the call's transforms as its tensor hook; the module's own ops keep ``t``."""
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            return t
+        out = t.view_as(t)
+        mark(out.grad_fn, 0, trace, i, hook, False)
+        if t.grad_fn is not None:
+            mark(t.grad_fn, t.output_nr, trace, i, hook, True)
+        if hook is not None:
+            out.register_hook(hook)
+        return out

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
-    from strategies.boundaries import Trace
+    from strategies.boundary_calls import Trace
 
 __all__ = ["fence", "flat", "mark", "reached", "tensors_in"]
 
@@ -52,7 +52,12 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
 
 def flat(tree: Any) -> bool:
     """Is ``tree`` a tuple of tensors only?"""
-    return type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree)
+    if type(tree) is not tuple:
+        return False
+    for t in tree:
+        if not isinstance(t, torch.Tensor):
+            return False
+    return True
 
 
 def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool],
@@ -62,12 +67,17 @@ def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool],
     output of such a call and goes on through everything else (host-side; it visits only the
     ops between the tensors and those calls). A walk that reaches a call's output around its
     returned view (an in-place op on the view) moves that call's transforms onto the producer.
-    ``leaves``, if given, receives the leaf tensors (parameters) those ops use."""
+    ``leaves``, if given, receives the leaf tensors (parameters) those ops use. (Every hooked
+    call walks, so this loop is written for the interpreter: one ``metadata`` read per node.)"""
     found: list[tuple[Trace, int]] = []
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if leaves is not None:
-        leaves.extend(t for t in tensors if t.grad_fn is None and t.requires_grad)
-    stack = [(t.grad_fn, t.output_nr) for t in tensors if t.grad_fn is not None]
+    stack: list[tuple[Any, int]] = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            node = t.grad_fn
+            if node is not None:
+                stack.append((node, t.output_nr))
+            elif leaves is not None and t.requires_grad:
+                leaves.append(t)
     seen: set[tuple[Any, int]] = set()
     expanded: set[Any] = set()
     while stack:
@@ -76,22 +86,29 @@ def reached(tensors: Iterable[Any], stop: Callable[[Trace, int], bool],
             continue
         seen.add(edge)
         node, nr = edge
-        if _FENCE in node.metadata:
-            continue
-        marks = node.metadata.get(_MARK)
-        hit = False
-        for trace, i, hook, around in marks.get(nr, ()) if marks else ():
-            if around and hook is not None:
-                hook.move_to(node, nr)
-            if stop(trace, i):
-                hit = True
-                if (trace, i) not in found:
-                    found.append((trace, i))
-        if not hit and node not in expanded:
+        meta = node.metadata
+        if meta:
+            if _FENCE in meta:
+                continue
+            marks = meta.get(_MARK)
+            hit = False
+            if marks:
+                for trace, i, hook, around in marks.get(nr, ()):
+                    if around and hook is not None:
+                        hook.move_to(node, nr)
+                    if stop(trace, i):
+                        hit = True
+                        if (trace, i) not in found:
+                            found.append((trace, i))
+            if hit:
+                continue
+        if node not in expanded:
             expanded.add(node)
             if leaves is not None and hasattr(node, "variable"):  # AccumulateGrad: a leaf used here
                 leaves.append(node.variable)
-            stack.extend((n, k) for n, k in node.next_functions if n is not None)
+            for n, k in node.next_functions:
+                if n is not None:
+                    stack.append((n, k))
     return found
 
 

@@ -37,7 +37,7 @@ result leaves the format's range (seed 003, section 3.3):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -94,11 +94,15 @@ class Links:
     double: bool = False  # a create_graph backward ran through it (gradient penalty)
 
 
-def link(links: Links, k: int, group: int, producer: str, by: str, names: list[str]) -> None:
+def link(links: Links, k: int, group: int, producer: str | Callable[[], str], by: str | Callable[[], str],
+         names: list[str]) -> None:
     """Record that call ``k`` (of group ``producer``) is consumed by ``group`` (``by`` names the
-    consumer); refuse a second consumer of another group with one ``ValueError``."""
+    consumer); refuse a second consumer of another group with one ``ValueError``. ``producer`` and
+    ``by`` may be callables returning the names, made only for the error (every group call links)."""
     old = links.consumer.setdefault(k, group)
     if old != group:
+        producer = producer() if callable(producer) else producer
+        by = by() if callable(by) else by
         raise ValueError(
             f"layerwise: the output of group {producer!r} is also consumed by {by}, past group {names[old]!r} "
             "(a skip connection across a group boundary): its gradient would mix two scales. Pass groups=[...] "
@@ -141,8 +145,10 @@ class GroupLinks:
         ops between): their gradient arrives at call i's group's scale."""
         g = self.group_of(trace, i)
         for tr, k in below:
-            link(self.links(tr), k, g, self.names[self.group_of(tr, k)], f"group {self.names[g]!r}", self.names)
-        self.refuse_glue(leaves, g)
+            link(self.links(tr), k, g, lambda: self.names[self.group_of(tr, k)], lambda: f"group {self.names[g]!r}",
+                 self.names)
+        if leaves:
+            self.refuse_glue(leaves, g)
 
     def refuse_glue(self, leaves: list[torch.Tensor], g: int) -> None:
         """Raise ``ValueError`` for a grouped parameter of another group than g used by the ops
@@ -159,14 +165,14 @@ class GroupLinks:
                     "ModuleList): its gradient would mix two scales. Use it through a module that owns it, or pass "
                     "groups=[...] patterns of modules that are called, with such a parent in one group")
 
-    def fan_in(self, module: torch.nn.Module, t: torch.Tensor) -> tuple[int, int, Links] | None:
-        """Before a call of ``module`` (group b): ``(a, b, links)`` when its argument ``t``
-        consumes only outputs whose gradient already arrives at one other group a's scale (an
-        output an earlier group consumes: T5's encoder output, read by every decoder block), so
-        the gradient the call sends into ``t`` must be converted by S_a / S_b; else None (the
-        links recorded after the call decide, and refuse a mix)."""
+    def fan_in(self, module: torch.nn.Module, found: list[tuple[Trace, int]]) -> tuple[int, int, Links] | None:
+        """Before a call of ``module`` (group b) with an argument that consumes the outputs of the
+        group calls ``found`` (the boundaries' walk from it, :func:`reached`): ``(a, b, links)`` when
+        those outputs' gradient already arrives at one other group a's scale (an output an earlier
+        group consumes: T5's encoder output, read by every decoder block), so the gradient the call
+        sends into the argument must be converted by S_a / S_b; else None (the links recorded after
+        the call decide, and refuse a mix)."""
         b = self.module_group[id(module)]
-        found = reached([t], self.mine)
         consumers = {self.links(tr).consumer.get(k) for tr, k in found}
         if len(consumers) != 1 or None in consumers or b in consumers:
             return None

@@ -68,8 +68,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from strategies import group_links, layer_groups
-from strategies import validation as v
+from strategies import group_links, layer_groups, validation as v
 from strategies.base import Strategy
 from strategies.boundaries import Boundaries, Trace
 from strategies.graph_walk import fence
@@ -200,9 +199,8 @@ class LayerwiseStrategy(Strategy):
             self._handle = boundaries.register(
                 "rescale", modules,
                 on_grad=lambda trace, i, g: self._rescale(links, trace, i, g),
-                on_call=lambda trace, i: self._current(links, links.on_call, trace, i, self.updates),
-                on_link=lambda trace, i, below, leaves: self._current(links, links.on_link, trace, i, below, leaves),
-                on_inputs=lambda module, t: self._fan_in(links, module, t),
+                on_link=lambda trace, i, below, leaves: self._link(links, trace, i, below, leaves),
+                on_inputs=lambda module, t, below: self._fan_in(links, module, t, below),
                 owner=self,
             )
             self._boundaries = boundaries
@@ -229,10 +227,11 @@ class LayerwiseStrategy(Strategy):
             self._links = GroupLinks(self._links.names, self._links.module_group)
 
     # ------------------------------------------------------------------ forward / backward
-    def _current(self, links: GroupLinks, callback: Any, *args: Any) -> None:
-        """Run a boundary callback of the attach that made ``links`` only while it is the current one."""
+    def _link(self, links: GroupLinks, trace: Trace, i: int, below: list[tuple[Trace, int]], leaves: list) -> None:
+        """A group call in forward, of the current attach: :meth:`GroupLinks.on_call` and ``on_link``."""
         if links is self._links:
-            callback(*args)
+            links.on_call(trace, i, self.updates)
+            links.on_link(trace, i, below, leaves)
 
     def before_scale(self, outputs: Any) -> None:
         """Attached: choose the loss-side group for ``outputs`` (:meth:`GroupLinks.place_loss`),
@@ -263,10 +262,12 @@ class LayerwiseStrategy(Strategy):
             self._seen.append((a, b, adaloss.observe(grad, ext)))
         return out
 
-    def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor) -> torch.Tensor | None:
-        """Before a call of group b: an argument whose gradient must arrive at another group a's
-        scale (:meth:`GroupLinks.fan_in`) is fenced, and the call's gradient into it x S_a / S_b."""
-        found = links.fan_in(module, t) if links is self._links else None
+    def _fan_in(self, links: GroupLinks, module: torch.nn.Module, t: torch.Tensor,
+                below: list[tuple[Trace, int]]) -> torch.Tensor | None:
+        """Before a call of group b: an argument (consuming the group calls ``below``) whose
+        gradient must arrive at another group a's scale (:meth:`GroupLinks.fan_in`) is fenced, and
+        the call's gradient into it x S_a / S_b."""
+        found = links.fan_in(module, below) if links is self._links else None
         if found is None:
             return None
         a, b, trace_links = found

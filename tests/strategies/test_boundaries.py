@@ -177,6 +177,39 @@ def test_transforms_reach_outputs_modified_in_place_after_the_hooked_layer() -> 
     h.remove(), h2.remove()
 
 
+class InplaceInside(torch.nn.Module):
+    """The second hooked layer modifies its input (the first layer's returned view) in place
+    before using it."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Sequential(torch.nn.ReLU(inplace=inplace), torch.nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_an_argument_modified_in_place_inside_the_call_is_walked_again_after_it() -> None:
+    """The walk made before a call for ``on_inputs`` is reused for ``on_link`` after it only while
+    the argument is unchanged: here the call's in-place ReLU routes the gradient around 'a''s
+    returned view, and the walk after the call moves 'a''s transform (x4) onto its producer."""
+    got: dict[bool, list[torch.Tensor]] = {}
+    links: dict[bool, list[list[int]]] = {}
+    for inplace in (True, False):
+        model = InplaceInside(inplace)
+        below: list[list[int]] = []
+        h = Boundaries.of(model).register(
+            "rescale", [model.a, model.b], on_grad=lambda t, i, g: g * 4.0 if i == 0 else None,
+            on_inputs=lambda m, t, found: None, on_link=lambda t, i, found, leaves: below.append([k for _, k in found]))
+        model(torch.linspace(-1, 1, 16).reshape(4, 4)).square().sum().backward()
+        got[inplace], links[inplace] = [p.grad for p in model.parameters()], below
+        h.remove()
+    assert links[True] == links[False] == [[], [0]]
+    assert all(torch.equal(p, q) for p, q in zip(got[True], got[False])) and got[True][0].abs().sum() > 0
+
+
 class Aliased(torch.nn.Module):
     """One Linear at two paths: inside ``outer`` (called there) and at the top (called there too)."""
 
@@ -212,7 +245,7 @@ def test_on_inputs_replaces_an_argument_and_walks_stop_at_its_fence() -> None:
     below: list[list[int]] = []
     seen: list[torch.Tensor] = []
     h = b.register("rescale", [model[0], model[2]],
-                   on_inputs=lambda m, t: fence(t, lambda g: seen.append(g) or g * 2.0) if m is model[2] else None,
+                   on_inputs=lambda m, t, below: fence(t, lambda g: seen.append(g) or g * 2.0) if m is model[2] else None,
                    on_link=lambda t, i, found, leaves: below.append([k for _, k in found]))
     x = torch.randn(8, 4)
     F.mse_loss(model(x), torch.ones(8, 1)).backward()
