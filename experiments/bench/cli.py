@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             overhead += bench_overhead(size, tensors, names, repeats, steps)
             stats_rows.append(bench_stats_pass(size, tensors, repeats))
         print("measuring hooks and fused AdamW ...", file=sys.stderr, flush=True)
-        hook_rows = bench_steps.bench_hooks(at_least(bench_steps.HOOK_ROUNDS))
+        pooled = not (args.quick or args.repeats is not None)
+        hook_rows = bench_steps.bench_hooks(at_least(bench_steps.HOOK_ROUNDS),
+                                            processes=bench_steps.HOOK_PROCESSES if pooled else 1)
         fused_size = sizes[-1]
         fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
         every_rows = bench_steps.bench_every(at_least(bench_steps.EVERY_ROUNDS))

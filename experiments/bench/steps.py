@@ -19,9 +19,14 @@ optimizer unscales in its kernel; the strategy only reads the gradients for its 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,8 +36,8 @@ import strategies
 from experiments.workloads.models import GPT
 from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, peak_bytes, ratio_fields
 
-__all__ = ["EVERY", "EVERY_ROUNDS", "HOOK_MODELS", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused", "format_every", "format_fused",
-           "format_hooks", "interval_text"]
+__all__ = ["EVERY", "EVERY_ROUNDS", "HOOK_MODELS", "HOOK_PROCESSES", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused",
+           "format_every", "format_fused", "format_hooks", "hook_times", "interval_text"]
 
 
 def _mlp(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
@@ -56,47 +61,97 @@ def _gpt(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
 
 HOOK_MODELS = {"mlp": _mlp, "gpt": _gpt}
 """Section (c)'s models: name -> (model, its loss)."""
-HOOK_ROUNDS = 61
+HOOK_ROUNDS = 64
 """Section (c)'s rounds at least (``scalelab-bench`` without ``--quick`` or ``--repeats``): its target is a ratio
 within 5 % of 1, and 7 rounds moved one rule's median ratio by 0.02 between runs on a quiet CPU
-(1.061 against 1.042 and 1.043 at 61 rounds); 61 rounds take ~40 s."""
+(1.061 against 1.042 and 1.043 at 61 rounds); spread over :data:`HOOK_PROCESSES` processes, 8 rounds
+each, they take ~70 s."""
+HOOK_PROCESSES = 8
+"""Section (c)'s fresh interpreters (``scalelab-bench`` without ``--quick`` or ``--repeats``): a rule's
+median ratio moves from one process to the next by more than the 95 % interval of one process's
+rounds (``layerwise_adaloss`` on the MLP: 1.049-1.071 over six processes of 31 rounds, 1.051-1.058
+over six fresh copies in one process; ``underflow_target``: 1.043-1.132 over eight processes),
+so its rounds are spread over this many processes and pooled. Two pooled runs of 8 x 8 rounds
+agreed within 0.008 on every row; two of 3 x 21 rounds differed by 0.036 on ``underflow_target``."""
 
 
 def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: str = "cpu",
-                clock: Callable[[], float] = time.thread_time) -> list[dict[str, Any]]:
+                clock: Callable[[], float] = time.thread_time, processes: int = 1) -> list[dict[str, Any]]:
     """Per model, two copies, one with the strategy attached, timed round by round: a training
     step's forward, scaled backward and unscale_/step (no-op optimizer)/update, so the attached
     side pays its hooks and what it gathers per step (AdaLoss: the weight statistics). ``device``
-    and ``clock``: the GPU section passes ``"cuda"`` and a clock that synchronises first."""
-    rows = []
+    and ``clock``: the GPU section passes ``"cuda"`` and a clock that synchronises first.
+    ``processes > 1`` (CPU, thread-time clock): the rounds are split over that many fresh
+    interpreters, one after the other, and pooled (:data:`HOOK_PROCESSES`); each row then also has ``process_ratios``, each
+    process's own median ratio."""
+    if processes > 1:
+        return _pooled(repeats, models, processes)
+    return [_hook_row(rec) for rec in hook_times(repeats, models, device, clock)]
+
+
+def hook_times(repeats: int, models: tuple[str, ...], device: str = "cpu",
+               clock: Callable[[], float] = time.thread_time, threads: int | None = None) -> list[dict[str, Any]]:
+    """:func:`bench_hooks`'s measurements before they are summed up: per model and rule, the
+    milliseconds of every round (``plain``, ``hooked``) and, on a GPU, the peak memory."""
+    if threads is not None:  # a fresh interpreter (a pooled process) takes its parent's setting
+        torch.set_num_threads(threads)
+    out = []
     for model_name in models:
         model, loss_of = HOOK_MODELS[model_name](device)
         for label, kw in HOOKED.items():
             name = "layerwise" if label.startswith("layerwise") else label
             attached_model = copy.deepcopy(model)
-            plain = strategies.create(name, **kw)
-            hooked = strategies.create(name, **kw).attach(attached_model)
-            opts = {id(model): NoOpOptimizer(list(model.parameters())),
-                    id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"underflow_target: not attached")
+                plain = strategies.create(name, **kw)
+                hooked = strategies.create(name, **kw).attach(attached_model)
+                opts = {id(model): NoOpOptimizer(list(model.parameters())),
+                        id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
 
-            def train_step(m: torch.nn.Module, s: Any) -> None:
-                m.zero_grad(set_to_none=True)
-                s.scale(loss_of(m)).backward()
-                s.step(opts[id(m)])
-                s.update()
+                def train_step(m: torch.nn.Module, s: Any) -> None:
+                    m.zero_grad(set_to_none=True)
+                    s.scale(loss_of(m)).backward()
+                    s.step(opts[id(m)])
+                    s.update()
 
-            steps = {"plain": lambda: train_step(model, plain), "hooked": lambda: train_step(attached_model, hooked)}
-            t = paired_ms(steps, repeats, clock=clock)
-            memory = {}
-            if device == "cuda":  # the CPU keeps no allocator peak to read (peak_bytes)
-                mib = {k: peak_bytes(fn, device) / 2**20 for k, fn in steps.items()}
-                memory = {"plain_peak_mib": mib["plain"], "attached_peak_mib": mib["hooked"],
-                          "extra_peak_mib": mib["hooked"] - mib["plain"]}
+                steps = {"plain": lambda: train_step(model, plain), "hooked": lambda: train_step(attached_model, hooked)}
+                t = paired_ms(steps, repeats, clock=clock)
+                memory = {}
+                if device == "cuda":  # the CPU keeps no allocator peak to read (peak_bytes)
+                    mib = {k: peak_bytes(fn, device) / 2**20 for k, fn in steps.items()}
+                    memory = {"plain_peak_mib": mib["plain"], "attached_peak_mib": mib["hooked"],
+                              "extra_peak_mib": mib["hooked"] - mib["plain"]}
             hooked.detach()
-            t_plain, t_hooked = statistics.median(t["plain"]), statistics.median(t["hooked"])
-            rows.append({"model": model_name, "strategy": label, "plain_ms": t_plain, "attached_ms": t_hooked,
-                         "extra_ms": t_hooked - t_plain, **ratio_fields(t["hooked"], t["plain"]), "rounds": repeats,
-                         **memory})
+            out.append({"model": model_name, "strategy": label, "plain": t["plain"], "hooked": t["hooked"],
+                        "memory": memory})
+    return out
+
+
+def _hook_row(rec: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    t_plain, t_hooked = statistics.median(rec["plain"]), statistics.median(rec["hooked"])
+    return {"model": rec["model"], "strategy": rec["strategy"], "plain_ms": t_plain, "attached_ms": t_hooked,
+            "extra_ms": t_hooked - t_plain, **ratio_fields(rec["hooked"], rec["plain"]), "rounds": len(rec["plain"]),
+            **rec["memory"], **extra}
+
+
+def _pooled(repeats: int, models: tuple[str, ...], processes: int) -> list[dict[str, Any]]:
+    """:func:`hook_times` in ``processes`` fresh interpreters (``python -m experiments.bench.steps``,
+    one after the other, so they never share the cores), ``ceil(repeats / processes)`` rounds each
+    on the thread-time clock, pooled per row."""
+    job = json.dumps({"repeats": math.ceil(repeats / processes), "models": list(models), "threads": torch.get_num_threads()})
+    runs = []
+    for _ in range(processes):
+        done = subprocess.run([sys.executable, "-m", "experiments.bench.steps"], input=job, capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+        if done.returncode != 0:
+            raise RuntimeError(f"bench (c): a pooled process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = []
+    for recs in zip(*runs):
+        pooled = {**recs[0], "plain": [x for r in recs for x in r["plain"]],
+                  "hooked": [x for r in recs for x in r["hooked"]]}
+        rows.append(_hook_row(pooled, processes=processes,
+                              process_ratios=[paired_ratio(r["hooked"], r["plain"]) for r in recs]))
     return rows
 
 
@@ -205,14 +260,21 @@ def bench_fused(params: list[torch.nn.Parameter], master: list[torch.Tensor], na
 
 def format_hooks(rows: list[dict[str, Any]]) -> str:
     rounds = f"{rows[0]['rounds']} rounds" if rows and "rounds" in rows[0] else "rounds"
+    procs = rows[0].get("processes", 1) if rows else 1
+    spread = [f"    same round (target: <= 1.050), and its 95 % interval (distribution-free, order statistics)"]
+    cols = [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
+            ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, ".3f"),
+            ("95% interval", "ratio", 18, "i")]
+    if procs > 1:
+        spread = [f"    same round (target: <= 1.050), and its 95 % interval (distribution-free, order statistics); the rounds",
+                  f"    come from {procs} fresh processes, pooled (a ratio moves between processes by more than one process's",
+                  "    interval); per process: the lowest and highest of their own median ratios"]
+        rows = [{**r, "per_process": f"{min(r['process_ratios']):.3f}-{max(r['process_ratios']):.3f}"} for r in rows]
+        cols.append(("per process", "per_process", 14, ""))
     return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
                    "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
                    f"    (no-op)/update, median CPU ms (thread_time); ratio: median over {rounds} of attached / plain in the",
-                   "    same round (target: <= 1.050), and its 95 % interval (distribution-free, order statistics)"],
-                  [("model", "model", 6, "s"), ("strategy", "strategy", 20, "s"), ("plain", "plain_ms", 10, ".3f"),
-                   ("attached", "attached_ms", 12, ".3f"), ("extra", "extra_ms", 10, ".3f"), ("ratio", "ratio", 9, ".3f"),
-                   ("95% interval", "ratio", 18, "i")],
-                  rows)
+                   *spread], cols, rows)
 
 
 def format_fused(rows: list[dict[str, Any]], size: str) -> str:
@@ -222,3 +284,8 @@ def format_fused(rows: list[dict[str, Any]], size: str) -> str:
                   [("strategy", "strategy", 20, "s"), ("unscale_+step", "unscale_then_step_ms", 15, ".3f"),
                    ("fused", "fused_ms", 10, ".3f"), ("saved", "saved_ms", 10, ".3f"),
                    ("vs GradScaler", "vs_gradscaler", 15, "x")], rows)
+
+
+if __name__ == "__main__":  # one pooled process of section (c) (_pooled): a JSON job on stdin, the times on stdout
+    _job = json.loads(sys.stdin.read())
+    print(json.dumps(hook_times(_job["repeats"], tuple(_job["models"]), threads=_job["threads"])))

@@ -54,3 +54,22 @@ def test_section_c_prints_each_ratio_with_its_interval():
            "ratio": 1.04, "ratio_lo": 1.031, "ratio_hi": 1.052, "rounds": 61}
     line = steps.format_hooks([row]).splitlines()[-1]
     assert line.split()[-3:] == ["1.040", "[1.031,", "1.052]"]
+
+
+def test_section_c_pools_rounds_from_fresh_processes():
+    """processes=2: each row holds both processes' rounds (2 x 2), both processes' own median
+    ratios, and its pooled ratio is the paired median of those rounds; the page says so."""
+    rows = steps.bench_hooks(3, ("mlp",), processes=2)
+    assert [r["strategy"] for r in rows] == list(steps.HOOKED)
+    for r in rows:
+        assert r["rounds"] == 4 and r["processes"] == 2 and len(r["process_ratios"]) == 2
+        assert min(r["process_ratios"]) <= r["ratio"] <= max(r["process_ratios"])  # a pooled median lies between
+        assert r["plain_ms"] > 0 and r["attached_ms"] > 0
+    text = steps.format_hooks(rows)
+    assert "2 fresh processes" in text
+    assert text.splitlines()[-1].split()[-1] == f"{min(rows[-1]['process_ratios']):.3f}-{max(rows[-1]['process_ratios']):.3f}"
+
+
+def test_a_failed_pooled_process_is_one_clear_error():
+    with pytest.raises(RuntimeError, match="bench \\(c\\): a pooled process failed"):
+        steps.bench_hooks(1, ("no-such-model",), processes=2)

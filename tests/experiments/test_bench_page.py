@@ -26,13 +26,14 @@ def test_cpu_bench_writes_no_page_unless_asked(tmp_path, capsys):
 
 def test_sections_c_and_e_run_their_minimum_rounds_unless_repeats_is_given(tmp_path, capsys, monkeypatch):
     """(c) and (e) judge a ratio against a 5 % target, so a plain run gives them at least
-    HOOK_ROUNDS and EVERY_ROUNDS rounds; an explicit --repeats (or --quick) is taken as given."""
+    HOOK_ROUNDS and EVERY_ROUNDS rounds, (c)'s spread over HOOK_PROCESSES processes; an explicit
+    --repeats (or --quick) is taken as given, in this process."""
     from experiments.bench import steps
 
     asked = []
-    monkeypatch.setattr(steps, "bench_hooks", lambda n: asked.append(("c", n)) or [])
+    monkeypatch.setattr(steps, "bench_hooks", lambda n, processes: asked.append(("c", n, processes)) or [])
     monkeypatch.setattr(steps, "bench_every", lambda n: asked.append(("e", n)) or [])
     base = ["--sizes", "2000", "--steps", "1", "--tensors", "2", "--strategies", "native", "--out", str(tmp_path / "b.json")]
     assert bench.main(base) == 0
     assert bench.main(base + ["--repeats", "2"]) == 0
-    assert asked == [("c", steps.HOOK_ROUNDS), ("e", steps.EVERY_ROUNDS), ("c", 2), ("e", 2)]
+    assert asked == [("c", steps.HOOK_ROUNDS, steps.HOOK_PROCESSES), ("e", steps.EVERY_ROUNDS), ("c", 2, 1), ("e", 2)]
