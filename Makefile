@@ -89,7 +89,7 @@ reproduce: setup ## Re-test the published loss-scaling claims, write docs/reprod
 	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(BIN)/scalelab-reproduce $(if $(IS_QUICK),--quick) $(if $(IS_LONG),--long)
 
 bench: setup ## Strategy overhead and statistics-pass benchmark (prints ratios, writes JSON and docs/bench-cpu.md)
-	$(BIN)/scalelab-bench --write-docs docs/bench-cpu.md
+	$(BIN)/scalelab-bench --threads 1 --write-docs docs/bench-cpu.md
 
 stats-schedule: setup ## stats_every / stats_layers against k=1, all layers, paired by seed (39 runs): docs/stats-schedule.md
 	rm -rf runs/stats_schedule
