@@ -71,8 +71,8 @@ HOOK_PROCESSES = 8
 median ratio moves from one process to the next by more than the 95 % interval of one process's
 rounds (``layerwise_adaloss`` on the MLP: 1.049-1.071 over six processes of 31 rounds, 1.051-1.058
 over six fresh copies in one process; ``underflow_target``: 1.043-1.132 over eight processes),
-so its rounds are spread over this many processes and pooled. Two pooled runs of 8 x 8 rounds
-agreed within 0.008 on every row; two of 3 x 21 rounds differed by 0.036 on ``underflow_target``."""
+so its rounds are spread over this many processes and pooled. Four pooled runs of 8 x 8 rounds
+agreed within 0.011 on every row; two of 3 x 21 rounds differed by 0.036 on ``underflow_target``."""
 
 
 def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: str = "cpu",

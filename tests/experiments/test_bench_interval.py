@@ -73,3 +73,17 @@ def test_section_c_pools_rounds_from_fresh_processes():
 def test_a_failed_pooled_process_is_one_clear_error():
     with pytest.raises(RuntimeError, match="bench \\(c\\): a pooled process failed"):
         steps.bench_hooks(1, ("no-such-model",), processes=2)
+
+
+def test_section_c2_times_each_rule_against_the_plain_mlp():
+    from experiments.bench import hook_host
+
+    rows = hook_host.bench_hook_host(2, calls=3)
+    assert [r["strategy"] for r in rows] == list(steps.HOOKED)
+    for r in rows:
+        assert r["plain_forward_us"] > 0 and r["plain_step_us"] > r["plain_forward_us"]
+        assert r["extra_forward_us"] == r["forward_us"] - r["plain_forward_us"]
+        assert r["extra_step_us"] == r["step_us"] - r["plain_step_us"]
+        assert r["rounds"] == 2 and r["calls"] == 3
+    text = hook_host.format_hook_host(rows)
+    assert text.startswith("(c2)") and len(text.splitlines()) == 6 + len(rows)
