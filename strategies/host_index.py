@@ -14,8 +14,6 @@ the life of the process; a capture uses a fixed set of them.
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import torch
 
 __all__ = ["KEEP", "host_tensor", "pinned"]
@@ -26,13 +24,10 @@ KEEP = 512
 _PINNED: dict[tuple[tuple[int | float, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
+    """Is a CUDA graph capturing the work queued now on ``device``? (Looked up by name at each
+    call, so a CPU test can stand in for a capture.)"""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-capturing: Callable[[torch.device], bool] = _capturing
-"""Is a CUDA graph capturing the work queued now on ``device``? (A module attribute, so a CPU
-test can stand in for a capture.)"""
 
 
 @functools.lru_cache(maxsize=KEEP)

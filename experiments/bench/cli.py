@@ -61,7 +61,7 @@ import strategies
 from experiments.app.records import write_text_atomic
 from experiments.bench import gpu as bench_gpu, hook_host, steps as bench_steps
 from experiments.bench.common import (VARIANTS, NoOpOptimizer, human, make_params, make_scaler, paired_ratio,
-                                     parse_size, restore, scaling_step)
+                                     parse_size, quiet, restore, scaling_step)
 from strategies import kernels
 from strategies.stats import unscale_and_stats, unscale_and_stats_reference
 
@@ -238,16 +238,6 @@ def cpu_page(text: str, meta: dict[str, Any]) -> str:
             f"```text\n{text.rstrip()}\n```\n")
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The warnings a timing run expects, silenced: probe rules run without a reference closure,
-    and underflow_target unattached (the step is timed alone)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"\w+: no reference closure")
-        warnings.filterwarnings("ignore", message=r"underflow_target: not attached")
-        yield
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -289,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overhead: list[dict[str, Any]] = []
     stats_rows: list[dict[str, Any]] = []
-    with _quiet():
+    with quiet():
         for size in sizes:
             tensors = min(args.tensors, size)
             print(f"measuring {human(size)} parameters in {tensors} tensors ...", file=sys.stderr, flush=True)
@@ -336,7 +326,7 @@ def _main_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace, names:
     except ValueError as exc:
         parser.error(str(exc))
     kernels.load()  # build/load before timing anything
-    with _quiet():
+    with quiet():
         result = bench_gpu.run(opts, args.tensors, names, lambda s: print(s, file=sys.stderr, flush=True))
     result["meta"] = {**machine_info(), **bench_gpu.gpu_info(), "repeats": opts.repeats, "warmup": opts.warmup,
                       "argv": argv_used}

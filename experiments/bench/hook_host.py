@@ -15,13 +15,12 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 
-import strategies
-from experiments.bench.common import HOOKED, NoOpOptimizer, paired_ms
+from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, quiet, train_step
+from experiments.bench.steps import table
 
 __all__ = ["CALLS", "HOST_ROUNDS", "bench_hook_host", "format_hook_host"]
 
@@ -43,13 +42,15 @@ def bench_hook_host(rounds: int, calls: int = CALLS) -> list[dict[str, Any]]:
     """Per rule of :data:`experiments.bench.common.HOOKED`: ``forward_us`` and ``step_us`` attached,
     the same of the plain copy, and the differences ``extra_forward_us``, ``extra_step_us``."""
     model, x = _model()
-    copies: dict[str, tuple[torch.nn.Module, Any]] = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"underflow_target: not attached")
-        copies["plain"] = (model, strategies.create("layerwise"))
-        for label, kw in HOOKED.items():
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    with quiet():
+        copies = {"plain": (model, make_scaler("layerwise"))}
+        for label in HOOKED:
             m = copy.deepcopy(model)
-            copies[label] = (m, strategies.create("layerwise" if label.startswith("layerwise") else label, **kw).attach(m))
+            copies[label] = (m, make_scaler(label).attach(m))
         opts = {key: NoOpOptimizer(list(m.parameters())) for key, (m, _) in copies.items()}
 
         def forward(key: str) -> Callable[[], None]:
@@ -65,17 +66,13 @@ def bench_hook_host(rounds: int, calls: int = CALLS) -> list[dict[str, Any]]:
 
             def run() -> None:
                 for _ in range(calls):
-                    m.zero_grad(set_to_none=True)
-                    s.scale(m(x).square().mean()).backward()
-                    s.step(opts[key])
-                    s.update()
+                    train_step(m, s, opts[key], loss_of)
             return run
 
         runs = {(kind, key): make(key) for kind, make in (("forward", forward), ("step", step)) for key in copies}
         t = paired_ms(runs, rounds, clock=time.thread_time)
-    for _, s in copies.values():
-        if hasattr(s, "detach"):
-            s.detach()
+    for label in HOOKED:
+        copies[label][1].detach()
     us = {k: statistics.median(v) * 1e3 / calls for k, v in t.items()}
     return [{"strategy": label, "forward_us": us[("forward", label)], "step_us": us[("step", label)],
              "plain_forward_us": us[("forward", "plain")], "plain_step_us": us[("step", "plain")],
@@ -85,14 +82,11 @@ def bench_hook_host(rounds: int, calls: int = CALLS) -> list[dict[str, Any]]:
 
 
 def format_hook_host(rows: list[dict[str, Any]]) -> str:
-    rounds = rows[0]["rounds"] if rows else 0
-    head = ["(c2) the hooks' host cost: a 9-layer MLP of width 16 (batch 4), where a step is all host work; CPU us",
-            f"    (thread_time) per forward and per training step, median over {rounds} rounds of {CALLS} calls; extra:",
-            f"    attached minus plain (the hooks' Python and small ops over {LAYERS} hooked calls)"]
-    header = f"  {'strategy':<20}{'plain fwd':>11}{'fwd':>9}{'extra':>9}{'plain step':>12}{'step':>9}{'extra':>9}"
-    lines = [*head, "", header, "  " + "-" * (len(header) - 2)]
-    for r in rows:
-        lines.append(f"  {r['strategy']:<20}{r['plain_forward_us']:>11.1f}{r['forward_us']:>9.1f}"
-                     f"{r['extra_forward_us']:>9.1f}{r['plain_step_us']:>12.1f}{r['step_us']:>9.1f}"
-                     f"{r['extra_step_us']:>9.1f}")
-    return "\n".join(lines)
+    rounds, calls = (rows[0]["rounds"], rows[0]["calls"]) if rows else (0, CALLS)
+    return table(["(c2) the hooks' host cost: a 9-layer MLP of width 16 (batch 4), where a step is all host work; CPU us",
+                  f"    (thread_time) per forward and per training step, median over {rounds} rounds of {calls} calls; extra:",
+                  f"    attached minus plain (the hooks' Python and small ops over {LAYERS} hooked calls)"],
+                 [("strategy", "strategy", 20, "s"), ("plain fwd", "plain_forward_us", 11, ".1f"),
+                  ("fwd", "forward_us", 9, ".1f"), ("extra", "extra_forward_us", 9, ".1f"),
+                  ("plain step", "plain_step_us", 12, ".1f"), ("step", "step_us", 9, ".1f"),
+                  ("extra", "extra_step_us", 9, ".1f")], rows)

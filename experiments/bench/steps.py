@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,10 +33,11 @@ import torch.nn.functional as F
 
 import strategies
 from experiments.workloads.models import GPT
-from experiments.bench.common import HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, peak_bytes, ratio_fields
+from experiments.bench.common import (HOOKED, NoOpOptimizer, make_scaler, paired_ms, paired_ratio, peak_bytes, quiet,
+                                     ratio_fields, train_step)
 
 __all__ = ["EVERY", "EVERY_ROUNDS", "HOOK_MODELS", "HOOK_PROCESSES", "HOOK_ROUNDS", "bench_every", "bench_hooks", "bench_fused",
-           "format_every", "format_fused", "format_hooks", "hook_times", "interval_text"]
+           "format_every", "format_fused", "format_hooks", "hook_times", "interval_text", "table"]
 
 
 def _mlp(device: str = "cpu") -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
@@ -101,20 +101,12 @@ def hook_times(repeats: int, models: tuple[str, ...], device: str = "cpu",
         for label, kw in HOOKED.items():
             name = "layerwise" if label.startswith("layerwise") else label
             attached_model = copy.deepcopy(model)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=r"underflow_target: not attached")
+            with quiet():
                 plain = strategies.create(name, **kw)
                 hooked = strategies.create(name, **kw).attach(attached_model)
-                opts = {id(model): NoOpOptimizer(list(model.parameters())),
-                        id(attached_model): NoOpOptimizer(list(attached_model.parameters()))}
-
-                def train_step(m: torch.nn.Module, s: Any) -> None:
-                    m.zero_grad(set_to_none=True)
-                    s.scale(loss_of(m)).backward()
-                    s.step(opts[id(m)])
-                    s.update()
-
-                steps = {"plain": lambda: train_step(model, plain), "hooked": lambda: train_step(attached_model, hooked)}
+                opt, attached_opt = NoOpOptimizer(list(model.parameters())), NoOpOptimizer(list(attached_model.parameters()))
+                steps = {"plain": lambda: train_step(model, plain, opt, loss_of),
+                         "hooked": lambda: train_step(attached_model, hooked, attached_opt, loss_of)}
                 t = paired_ms(steps, repeats, clock=clock)
                 memory = {}
                 if device == "cuda":  # the CPU keeps no allocator peak to read (peak_bytes)
@@ -182,10 +174,7 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
         def steps(key: str) -> None:
             m, s = copies[key]
             for _ in range(block):
-                m.zero_grad(set_to_none=True)
-                s.scale(loss_of(m)).backward()
-                s.step(opts[key])
-                s.update()
+                train_step(m, s, opts[key], loss_of)
 
         t = paired_ms({key: (lambda key=key: steps(key)) for key in copies}, repeats, clock=time.thread_time)
         for key, (_, s) in copies.items():
@@ -204,7 +193,7 @@ def interval_text(row: dict[str, Any]) -> str:
     return "-" if math.isnan(lo) or math.isnan(hi) else f"[{lo:.3f}, {hi:.3f}]"
 
 
-def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
+def table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
     """``head`` lines, then one column per ``(header, key, width, format)`` (format ``"s"``: left
     aligned text; ``"x"``: a ratio; ``"i"``: the row's :func:`interval_text`), one line per row."""
     def cell(r: dict[str, Any], key: str, w: int, f: str) -> str:
@@ -218,7 +207,7 @@ def _table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[di
 
 
 def format_every(rows: list[dict[str, Any]]) -> str:
-    return _table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
+    return table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
                    "    rules on the MLP, blocks of 16 training steps; median CPU ms (thread_time) per step; ratio: median over rounds of",
                    "    attached(k, q) / plain in the same round, and its 95 % interval (distribution-free, order statistics)"],
                   [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
@@ -271,14 +260,14 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
                   "    interval); per process: the lowest and highest of their own median ratios"]
         rows = [{**r, "per_process": f"{min(r['process_ratios']):.3f}-{max(r['process_ratios']):.3f}"} for r in rows]
         cols.append(("per process", "per_process", 14, ""))
-    return _table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
+    return table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
                    "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
                    f"    (no-op)/update, median CPU ms (thread_time); ratio: median over {rounds} of attached / plain in the",
                    *spread], cols, rows)
 
 
 def format_fused(rows: list[dict[str, Any]], size: str) -> str:
-    return _table([f"(d) AdamW(fused=True) at {size}: unscale_() then step vs the optimizer unscaling itself (the strategy",
+    return table([f"(d) AdamW(fused=True) at {size}: unscale_() then step vs the optimizer unscaling itself (the strategy",
                    "    only reads the gradients), median ms; vs GradScaler: median over rounds of fused / GradScaler's",
                    "    own fused path in the same round"],
                   [("strategy", "strategy", 20, "s"), ("unscale_+step", "unscale_then_step_ms", 15, ".3f"),

@@ -86,4 +86,4 @@ def test_section_c2_times_each_rule_against_the_plain_mlp():
         assert r["extra_step_us"] == r["step_us"] - r["plain_step_us"]
         assert r["rounds"] == 2 and r["calls"] == 3
     text = hook_host.format_hook_host(rows)
-    assert text.startswith("(c2)") and len(text.splitlines()) == 6 + len(rows)
+    assert text.startswith("(c2)") and "2 rounds of 3 calls" in text and len(text.splitlines()) == 6 + len(rows)

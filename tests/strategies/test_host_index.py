@@ -48,5 +48,5 @@ def test_a_hit_during_a_capture_pins_the_cached_tensor(monkeypatch: pytest.Monke
 def test_the_capture_check_asks_cuda_only_for_cuda_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[bool] = []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(True) or False)
-    assert not host_index._capturing(CPU) and asked == []
-    assert not host_index._capturing(torch.device("cuda", 0)) and asked == [True]
+    assert not host_index.capturing(CPU) and asked == []
+    assert not host_index.capturing(torch.device("cuda", 0)) and asked == [True]
