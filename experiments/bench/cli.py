@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -51,9 +50,8 @@ import statistics
 import sys
 from pathlib import Path
 import time
-import warnings
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
