@@ -9,9 +9,11 @@
 //   grad_extremes(grad) -> extremes, the same without the rescale (a crossing inside a group);
 //   exponent_histogram(grad) -> int64[280], counts of floor(log2|g|) over the nonzero finite
 //       entries (bin i: exponent -150 + i), as strategies.stats.exponent_histogram — one pass
-//       instead of eight ops over the gradient.
+//       instead of eight ops over the gradient, counting exponent fields on the bit patterns
+//       (exponent_fields.h: vector lanes where the build targets AVX-512).
 //
-// Serial on the calling thread (vectorised where the build targets AVX-512 or AVX2): activation gradients are read one boundary at a time from the
+// Serial on the calling thread (vectorised where the build targets AVX-512: float32, float16 and
+// bfloat16; AVX2: float32): activation gradients are read one boundary at a time from the
 // autograd engine's thread. The CUDA implementations (kernels/boundary_kernel.cu) are registered
 // at the end of this file when the extension is built with CUDA.
 #include <ATen/ATen.h>
@@ -19,6 +21,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -27,6 +30,7 @@
 #endif
 
 #include "boundary.h"
+#include "exponent_fields.h"
 
 #ifdef SCALELAB_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -38,25 +42,55 @@
 namespace scalelab {
 namespace {
 
-// One pass over n float32 entries: [min, max] into out (NaN if any entry is NaN, [0, 0] when
-// n == 0) and, when o is not null, o = x * r. AVX-512 or AVX2 where the build targets them (min/max
-// lanes, NaN tracked by an unordered compare), else a scalar loop; the same results either way.
-void pass(const float* x, float* o, int64_t n, float r, double* out) {
-  float lo = INFINITY, hi = -INFINITY;
-  bool nan = false;
-  int64_t i = 0;
 #if defined(__AVX512F__)
-  __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY), vr = _mm512_set1_ps(r);
+// 16 entries in float lanes: float16 / bfloat16 widened exactly, the product in float rounded back
+// to nearest even as c10's Half(float) and BFloat16(float) round (a NaN stays a NaN; its payload
+// may differ from c10's, which every use allows).
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline void narrow16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m512 widen16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+inline void narrow16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void narrow16(c10::BFloat16* p, __m512 v) {  // c10::detail::round_to_nearest_even
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+}
+
+// The vector body of a pass: entries [0, i) for the largest multiple i of 16 ([min, max] lanes, NaN
+// tracked by an unordered compare), into lo, hi and nan; returns i.
+template <typename T>
+int64_t pass16(const T* x, T* o, int64_t n, float r, float& lo, float& hi, bool& nan) {
+  __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY);
+  const __m512 vr = _mm512_set1_ps(r);
   __mmask16 vnan = 0;
+  int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 v = widen16(x + i);
     vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vlo = _mm512_min_ps(vlo, v);
     vhi = _mm512_max_ps(vhi, v);
-    if (o != nullptr) _mm512_storeu_ps(o + i, _mm512_mul_ps(v, vr));
+    if (o != nullptr) narrow16(o + i, _mm512_mul_ps(v, vr));
   }
   lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi), nan = vnan != 0;
-#elif defined(__AVX2__)
+  return i;
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// The vector body of a float32 pass in 8 lanes (as pass16); returns the entries it read.
+int64_t pass8(const float* x, float* o, int64_t n, float r, float& lo, float& hi, bool& nan) {
+  int64_t i = 0;
   __m256 vlo = _mm256_set1_ps(INFINITY), vhi = _mm256_set1_ps(-INFINITY), vr = _mm256_set1_ps(r);
   __m256 vnan = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
@@ -70,28 +104,28 @@ void pass(const float* x, float* o, int64_t n, float r, double* out) {
   _mm256_storeu_ps(l8, vlo), _mm256_storeu_ps(h8, vhi);
   for (int l = 0; l < 8; ++l) lo = l8[l] < lo ? l8[l] : lo, hi = h8[l] > hi ? h8[l] : hi;
   nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-  for (; i < n; ++i) {
-    const float v = x[i];
-    nan |= v != v;
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
-    if (o != nullptr) o[i] = v * r;
-  }
-  const double q = std::numeric_limits<double>::quiet_NaN();
-  out[0] = n == 0 ? 0.0 : nan ? q : static_cast<double>(lo);
-  out[1] = n == 0 ? 0.0 : nan ? q : static_cast<double>(hi);
+  return i;
 }
+#endif
 
-// The same for float16 / bfloat16 / float64 entries (widened exactly; products in float, rounded
-// back once, as strategies.group_links.times; float64 in double): a scalar loop.
+// One pass over n entries: [min, max] into out (NaN if any entry is NaN, [0, 0] when n == 0) and,
+// when o is not null, o = x * r (float16 / bfloat16 widened exactly, the product in float rounded
+// back once, as strategies.group_links.times; float64 in double). Vector lanes where the build
+// targets AVX-512 (float32, float16, bfloat16) or AVX2 (float32), then a scalar loop; the same
+// results either way.
 template <typename T>
 void pass(const T* x, T* o, int64_t n, float r, double* out) {
   using W = std::conditional_t<std::is_same_v<T, double>, double, float>;
   W lo = std::numeric_limits<W>::infinity(), hi = -lo;
   const W rw = static_cast<W>(r);
   bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) i = pass16(x, o, n, r, lo, hi, nan);
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) i = pass8(x, o, n, r, lo, hi, nan);
+#endif
+  for (; i < n; ++i) {
     const W v = static_cast<W>(x[i]);
     nan |= v != v;
     lo = v < lo ? v : lo;
@@ -107,7 +141,7 @@ void pass(const T* x, T* o, int64_t n, float r, double* out) {
 void boundary_pass_cpu(const at::Tensor& x, at::Tensor* out, float r, double* ext) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "boundary_pass", [&] {
     scalar_t* o = out != nullptr ? out->data_ptr<scalar_t>() : nullptr;
-    pass(x.const_data_ptr<scalar_t>(), o, x.numel(), r, ext);  // float32: the vectorised overload
+    pass(x.const_data_ptr<scalar_t>(), o, x.numel(), r, ext);
   });
 }
 
@@ -140,22 +174,26 @@ at::Tensor grad_extremes_cpu(const at::Tensor& grad) {
   return ext;
 }
 
+// The counts of exponent_fields.h in the op's bins: extended field e is the exponent e - mbits -
+// bias (bin e - mbits - bias - kExpLo); the Inf/NaN field is dropped.
 at::Tensor exponent_histogram_cpu(const at::Tensor& grad) {
   const auto t = grad.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
               "scalelab::exponent_histogram: grad must be float32, float16 or bfloat16, got ", t);
   const at::Tensor x = grad.contiguous();
-  int64_t counts[kExpBins + 1] = {0};  // the last: zero, +-Inf, NaN (dropped)
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t, "exponent_histogram", [&] {
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    for (int64_t i = 0, n = x.numel(); i < n; ++i) {
-      const int b = exponent_bin(static_cast<float>(in[i]));
-      ++counts[b < 0 ? kExpBins : b];
-    }
-  });
-  at::Tensor out = at::empty({kExpBins}, grad.options().dtype(at::kLong));
+  FieldCounts c;
+  std::memset(&c, 0, sizeof c);
+  Format fmt{};
+  if (t == at::kFloat) {
+    fmt = {23, 127, 0x7fffffffu, 0xffu};
+    count_fields(static_cast<const uint32_t*>(x.const_data_ptr()), x.numel(), fmt, c);
+  } else {
+    fmt = t == at::kHalf ? Format{10, 15, 0x7fffu, 0x1fu} : Format{7, 127, 0x7fffu, 0xffu};
+    count_fields(static_cast<const uint16_t*>(x.const_data_ptr()), x.numel(), fmt, c);
+  }
+  at::Tensor out = at::zeros({kExpBins}, grad.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for (int b = 0; b < kExpBins; ++b) o[b] = counts[b];
+  for (int e = 1; e < static_cast<int>(fmt.top_field) + fmt.mbits; ++e) o[e - fmt.mbits - fmt.bias - kExpLo] += c.ext[e];
   return out;
 }
 

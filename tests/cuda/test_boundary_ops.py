@@ -7,6 +7,8 @@ non-contiguous gradients. The CUDA kernels are compared with the CPU twin on a G
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -108,3 +110,56 @@ def test_cuda_kernels_match_the_cpu_twin_without_a_sync(cuda_ops, dtype, special
     _same_extremes(ext.cpu(), ref_ext)
     _same_extremes(ext_only.cpu(), ref_ext)
     assert torch.equal(hist.cpu(), exponent_histogram_reference(g))
+
+
+SUBNORMAL_LO = {torch.float32: -149, torch.float16: -24, torch.bfloat16: -133}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_histogram_bins_every_exponent_of_each_dtype(ops, dtype):
+    """Every power of two of ``dtype`` (its subnormals included), 1.5 times it and minus the largest
+    value below it, shuffled into one block with zeros, Inf and NaN: the op counts fields and
+    subnormal top bits on the bit patterns, so each exponent of each format is checked once."""
+    e = torch.arange(SUBNORMAL_LO[dtype], int(math.log2(torch.finfo(dtype).max)) + 1, dtype=torch.float64)
+    p = torch.exp2(e)
+    g = torch.cat([p, p * 1.5, -p * (1 - torch.finfo(dtype).eps / 2)]).to(dtype)
+    g = torch.cat([g, torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan], dtype=dtype)])
+    g = g[torch.randperm(g.numel(), generator=torch.Generator().manual_seed(0))]
+    h = ops.exponent_histogram(g)
+    assert torch.equal(h, exponent_histogram_reference(g))
+    _, exp = torch.frexp(torch.exp2(e).to(dtype).double())
+    assert torch.equal(ops.exponent_histogram(torch.exp2(e).to(dtype)), torch.bincount((exp - 1 + 150).long(), minlength=280)[:280])
+
+
+def test_histogram_follows_blocks_of_far_apart_magnitudes(ops):
+    """Segments 2^-60, 2^40, subnormal and 2^-3 in scale, of lengths that do not align with the
+    op's blocks of 255 vectors: each block places its own window of fields."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(n, generator=gen) * s for n, s in
+             ((5000, 2.0**-60), (4081, 2.0**40), (333, 2.0**-140), (9000, 2.0**-3), (17, 1.0))]
+    g = torch.cat(parts)
+    assert torch.equal(ops.exponent_histogram(g), exponent_histogram_reference(g))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_histogram_of_a_constant_counts_past_the_byte_counters(ops, dtype):
+    """2^17 + 7 entries, 1.5 then -3.0: every vector lane of a block counts the same field in each
+    of its vectors, so the most a lane's byte counter holds (255), over many blocks and a scalar tail."""
+    g = torch.full((2**17 + 7,), 1.5, dtype=dtype)
+    g[2**16:] = -3.0
+    h = ops.exponent_histogram(g)
+    assert torch.equal(h, exponent_histogram_reference(g))
+    assert int(h[150]) == 2**16 and int(h[151]) == 2**16 + 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rescale_rounds_16_bit_products_as_torch(ops, dtype):
+    """Ratios that are not powers of two round the float product back to the format: every one
+    of the 2^16 bit patterns (subnormals, Inf, NaN included) times each ratio, bit for bit as
+    ``group_links.times`` (torch's casts: nearest even, overflow to Inf, underflow to subnormals)."""
+    g = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    ratios = torch.tensor([0.3, 1.7, 1 / 3, 3.0e-5, 1.0e4, 0.9999999, 1.0000001, 65504.0], dtype=torch.float32)
+    for index in range(ratios.numel()):
+        out, ext = ops.boundary_rescale(g, ratios, index)
+        assert_bits_equal(out, times(g, ratios[index]))
+        _same_extremes(ext, extremes_reference(g))
