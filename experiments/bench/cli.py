@@ -12,7 +12,8 @@ as ``layerwise_adaloss`` (``rule: adaloss``, :data:`experiments.bench.common.VAR
 (c) the attach cost per training step of the attach-based rules (their hooks, and AdaLoss's weight
 statistics), (d) what a fused AdamW saves and (e) the attached rules' cost against ``stats_every``:
 :mod:`experiments.bench.steps`; (c2) the hooks' host cost on a model where nothing hides it:
-:mod:`experiments.bench.hook_host`.
+:mod:`experiments.bench.hook_host`; (c3) the layer-boundary ops against plain torch:
+:mod:`experiments.bench.boundary_ops`.
 
 (b) **Statistics pass** — ``strategies.stats.unscale_and_stats`` (the fused op when built) versus
 one in-place ``torch._foreach_mul_`` over the same gradients (the floor: one read + one write),
@@ -57,7 +58,7 @@ import torch
 
 import strategies
 from experiments.app.records import write_text_atomic
-from experiments.bench import gpu as bench_gpu, hook_host, steps as bench_steps
+from experiments.bench import boundary_ops, gpu as bench_gpu, hook_host, steps as bench_steps
 from experiments.bench.common import (VARIANTS, NoOpOptimizer, human, make_params, make_scaler, paired_ratio,
                                      parse_size, quiet, restore, scaling_step)
 from strategies import kernels
@@ -288,16 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         hook_rows = bench_steps.bench_hooks(at_least(bench_steps.HOOK_ROUNDS),
                                             processes=bench_steps.HOOK_PROCESSES if pooled else 1)
         host_rows = hook_host.bench_hook_host(at_least(hook_host.HOST_ROUNDS))
+        op_rows = boundary_ops.bench_boundary_ops(at_least(boundary_ops.OPS_ROUNDS))
         fused_size = sizes[-1]
         fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
         every_rows = bench_steps.bench_every(at_least(bench_steps.EVERY_ROUNDS))
     meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": steps,
             "argv": argv_used}
     result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "hook_host": host_rows,
-              "fused_adamw": fused_rows,
+              "boundary_ops": op_rows, "fused_adamw": fused_rows,
               "stats_every": every_rows}
     text = (format_tables(overhead, stats_rows, names) + "\n\n" + bench_steps.format_hooks(hook_rows) + "\n\n"
-            + hook_host.format_hook_host(host_rows) + "\n\n"
+            + hook_host.format_hook_host(host_rows) + "\n\n" + boundary_ops.format_boundary_ops(op_rows) + "\n\n"
             + bench_steps.format_fused(fused_rows, human(fused_size)) + "\n\n" + bench_steps.format_every(every_rows))
     la = meta.get("loadavg_1_5_15")
     if la:

@@ -21,12 +21,18 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+try:
+    import resource
+except ImportError:  # not on Windows: no fault counts there
+    resource = None
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +72,15 @@ HOOK_ROUNDS = 64
 within 5 % of 1, and 7 rounds moved one rule's median ratio by 0.02 between runs on a quiet CPU
 (1.061 against 1.042 and 1.043 at 61 rounds); spread over :data:`HOOK_PROCESSES` processes, 8 rounds
 each, they take ~70 s."""
+HOOK_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+"""The glibc settings section (c)'s pooled processes run under for its ratio: with glibc's defaults,
+``free`` hands the top of the heap back to the kernel once more than a (self-adjusting) threshold is
+free there, and the next step faults those pages in again. Whether a step's pattern of frees trips
+it depends on the process's heap layout: in some processes the attached MLP step took 112-128
+minor page faults a step and the plain one none (``resource.getrusage``, RUSAGE_THREAD), and
+``underflow_target``'s median ratio ranged 1.025-1.139 over eight processes; with the heap held
+(mmap only above 32 MiB, trimming above 1 GiB) the same eight read 1.026-1.036. The rows keep what the
+defaults gave beside it (``ratio_default``, and the faults per step)."""
 HOOK_PROCESSES = 8
 """Section (c)'s fresh interpreters (``scalelab-bench`` without ``--quick`` or ``--repeats``): a rule's
 median ratio moves from one process to the next by more than the 95 % interval of one process's
@@ -107,7 +122,8 @@ def hook_times(repeats: int, models: tuple[str, ...], device: str = "cpu",
                 opt, attached_opt = NoOpOptimizer(list(model.parameters())), NoOpOptimizer(list(attached_model.parameters()))
                 steps = {"plain": lambda: train_step(model, plain, opt, loss_of),
                          "hooked": lambda: train_step(attached_model, hooked, attached_opt, loss_of)}
-                t = paired_ms(steps, repeats, clock=clock)
+                faults = {"plain": [], "hooked": []}
+                t = paired_ms({k: _counted(fn, faults[k]) for k, fn in steps.items()}, repeats, clock=clock)
                 memory = {}
                 if device == "cuda":  # the CPU keeps no allocator peak to read (peak_bytes)
                     mib = {k: peak_bytes(fn, device) / 2**20 for k, fn in steps.items()}
@@ -115,8 +131,23 @@ def hook_times(repeats: int, models: tuple[str, ...], device: str = "cpu",
                               "extra_peak_mib": mib["hooked"] - mib["plain"]}
             hooked.detach()
             out.append({"model": model_name, "strategy": label, "plain": t["plain"], "hooked": t["hooked"],
-                        "memory": memory})
+                        "faults": {k: f[1:] for k, f in faults.items()}, "memory": memory})  # [0]: the warm-up
     return out
+
+
+def minor_faults() -> int:
+    """This thread's minor page faults so far (``getrusage(RUSAGE_THREAD)``; 0 where the platform lacks it)."""
+    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    return resource.getrusage(who).ru_minflt if who is not None else 0
+
+
+def _counted(fn: Callable[[], None], into: list[int]) -> Callable[[], None]:
+    """``fn`` that appends the minor page faults each call took to ``into``."""
+    def run() -> None:
+        before = minor_faults()
+        fn()
+        into.append(minor_faults() - before)
+    return run
 
 
 def _hook_row(rec: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -129,21 +160,32 @@ def _hook_row(rec: dict[str, Any], **extra: Any) -> dict[str, Any]:
 def _pooled(repeats: int, models: tuple[str, ...], processes: int) -> list[dict[str, Any]]:
     """:func:`hook_times` in ``processes`` fresh interpreters (``python -m experiments.bench.steps``,
     one after the other, so they never share the cores), ``ceil(repeats / processes)`` rounds each
-    on the thread-time clock, pooled per row."""
+    on the thread-time clock, pooled per row: once with glibc's heap held (:data:`HOOK_MALLOC`: the
+    row's ratio) and once with its defaults (``ratio_default``); each with the minor page faults per
+    step of either side (``faults_*``: medians over the pooled rounds)."""
     job = json.dumps({"repeats": math.ceil(repeats / processes), "models": list(models), "threads": torch.get_num_threads()})
-    runs = []
-    for _ in range(processes):
-        done = subprocess.run([sys.executable, "-m", "experiments.bench.steps"], input=job, capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[2])
-        if done.returncode != 0:
-            raise RuntimeError(f"bench (c): a pooled process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    default_env = {k: v for k, v in os.environ.items() if k not in HOOK_MALLOC}
+    pooled = {}
+    for setting, env in (("held", {**default_env, **HOOK_MALLOC}), ("default", default_env)):
+        runs = []
+        for _ in range(processes):
+            done = subprocess.run([sys.executable, "-m", "experiments.bench.steps"], input=job, capture_output=True,
+                                  text=True, env=env, cwd=Path(__file__).resolve().parents[2])
+            if done.returncode != 0:
+                raise RuntimeError(f"bench (c): a pooled process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        pooled[setting] = [{**recs[0], **{k: [x for r in recs for x in r[k]] for k in ("plain", "hooked")},
+                            "faults": {k: [x for r in recs for x in r["faults"][k]] for k in ("plain", "hooked")},
+                            "process_ratios": [paired_ratio(r["hooked"], r["plain"]) for r in recs]} for recs in zip(*runs)]
     rows = []
-    for recs in zip(*runs):
-        pooled = {**recs[0], "plain": [x for r in recs for x in r["plain"]],
-                  "hooked": [x for r in recs for x in r["hooked"]]}
-        rows.append(_hook_row(pooled, processes=processes,
-                              process_ratios=[paired_ratio(r["hooked"], r["plain"]) for r in recs]))
+    for held, default in zip(pooled["held"], pooled["default"]):
+        rows.append(_hook_row(held, processes=processes, process_ratios=held["process_ratios"],
+                              faults_plain=statistics.median(held["faults"]["plain"]),
+                              faults_attached=statistics.median(held["faults"]["hooked"]),
+                              ratio_default=paired_ratio(default["hooked"], default["plain"]),
+                              process_ratios_default=default["process_ratios"],
+                              faults_plain_default=statistics.median(default["faults"]["plain"]),
+                              faults_attached_default=statistics.median(default["faults"]["hooked"])))
     return rows
 
 
@@ -257,13 +299,25 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
     if procs > 1:
         spread = [f"    same round (target: <= 1.050), and its 95 % interval (distribution-free, order statistics); the rounds",
                   f"    come from {procs} fresh processes, pooled (a ratio moves between processes by more than one process's",
-                  "    interval); per process: the lowest and highest of their own median ratios"]
-        rows = [{**r, "per_process": f"{min(r['process_ratios']):.3f}-{max(r['process_ratios']):.3f}"} for r in rows]
-        cols.append(("per process", "per_process", 14, ""))
+                  "    interval); per process: the lowest and highest of their own median ratios. These run with glibc's heap",
+                  "    held (MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=1 GiB): with its defaults, whether free()",
+                  "    hands the heap's top back and the next step faults it in again depends on each process's heap layout;",
+                  f"    'glibc default': {procs} more processes' pooled ratio and range under glibc's defaults; faults: minor",
+                  "    page faults per step, plain/attached (median over the pooled rounds)"]
+        rows = [{**r, "per_process": _range(r["process_ratios"]), "per_process_default": _range(r["process_ratios_default"]),
+                 "faults": f"{r['faults_plain']:.0f}/{r['faults_attached']:.0f}",
+                 "faults_default": f"{r['faults_plain_default']:.0f}/{r['faults_attached_default']:.0f}"} for r in rows]
+        cols += [("per process", "per_process", 14, ""), ("faults", "faults", 9, ""),
+                 ("glibc default", "ratio_default", 15, ".3f"), ("per process", "per_process_default", 14, ""),
+                 ("faults", "faults_default", 10, "")]
     return table(["(c) attach-based rules, attached vs not, per training step of an 8 x 512 MLP (batch 256) and of a",
                    "    4-block character GPT (width 128, batch 16 x 64): forward + scaled backward + unscale_/step",
                    f"    (no-op)/update, median CPU ms (thread_time); ratio: median over {rounds} of attached / plain in the",
                    *spread], cols, rows)
+
+
+def _range(ratios: list[float]) -> str:
+    return f"{min(ratios):.3f}-{max(ratios):.3f}"
 
 
 def format_fused(rows: list[dict[str, Any]], size: str) -> str:

@@ -9,6 +9,7 @@ import random
 import statistics
 
 import pytest
+import torch
 
 from experiments.bench import steps
 from experiments.bench.common import median_interval, paired_ratio, paired_ratio_interval
@@ -56,18 +57,43 @@ def test_section_c_prints_each_ratio_with_its_interval():
     assert line.split()[-3:] == ["1.040", "[1.031,", "1.052]"]
 
 
-def test_section_c_pools_rounds_from_fresh_processes():
+def test_section_c_pools_rounds_from_fresh_processes(monkeypatch):
     """processes=2: each row holds both processes' rounds (2 x 2), both processes' own median
-    ratios, and its pooled ratio is the paired median of those rounds; the page says so."""
+    ratios, and its pooled ratio is the paired median of those rounds; two processes more run under
+    glibc's default heap settings (``ratio_default``), the first two with HOOK_MALLOC; the page says so."""
+    envs = []
+    real_run = steps.subprocess.run
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")  # a caller's own setting: not passed to the default runs
+    monkeypatch.setattr(steps.subprocess, "run", lambda *a, **kw: envs.append(kw["env"]) or real_run(*a, **kw))
     rows = steps.bench_hooks(3, ("mlp",), processes=2)
+    assert [{k: e.get(k) for k in steps.HOOK_MALLOC} for e in envs] == [steps.HOOK_MALLOC] * 2 + [dict.fromkeys(steps.HOOK_MALLOC)] * 2
     assert [r["strategy"] for r in rows] == list(steps.HOOKED)
     for r in rows:
         assert r["rounds"] == 4 and r["processes"] == 2 and len(r["process_ratios"]) == 2
         assert min(r["process_ratios"]) <= r["ratio"] <= max(r["process_ratios"])  # a pooled median lies between
+        assert min(r["process_ratios_default"]) <= r["ratio_default"] <= max(r["process_ratios_default"])
         assert r["plain_ms"] > 0 and r["attached_ms"] > 0
+        assert min(r["faults_plain"], r["faults_attached"], r["faults_plain_default"], r["faults_attached_default"]) >= 0
     text = steps.format_hooks(rows)
-    assert "2 fresh processes" in text
-    assert text.splitlines()[-1].split()[-1] == f"{min(rows[-1]['process_ratios']):.3f}-{max(rows[-1]['process_ratios']):.3f}"
+    assert "2 fresh processes" in text and "glibc default" in text
+    last = rows[-1]
+    assert text.splitlines()[-1].split()[-5:] == [
+        f"{min(last['process_ratios']):.3f}-{max(last['process_ratios']):.3f}",
+        f"{last['faults_plain']:.0f}/{last['faults_attached']:.0f}", f"{last['ratio_default']:.3f}",
+        f"{min(last['process_ratios_default']):.3f}-{max(last['process_ratios_default']):.3f}",
+        f"{last['faults_plain_default']:.0f}/{last['faults_attached_default']:.0f}"]
+
+
+def test_minor_faults_counts_this_threads_page_faults():
+    """Touching 64 fresh pages of an anonymous mapping faults each once (the fault column's gauge)."""
+    import mmap
+
+    buf = mmap.mmap(-1, 64 * mmap.PAGESIZE)
+    before = steps.minor_faults()
+    for i in range(64):
+        buf[i * mmap.PAGESIZE] = 1
+    assert steps.minor_faults() - before >= 64
+    buf.close()
 
 
 def test_a_failed_pooled_process_is_one_clear_error():
@@ -87,3 +113,22 @@ def test_section_c2_times_each_rule_against_the_plain_mlp():
         assert r["rounds"] == 2 and r["calls"] == 3
     text = hook_host.format_hook_host(rows)
     assert text.startswith("(c2)") and "2 rounds of 3 calls" in text and len(text.splitlines()) == 6 + len(rows)
+
+
+def test_section_c3_times_each_boundary_op_against_its_reference():
+    """(c3): every op on the normal input in the three dtypes, the histogram on the wide one too;
+    the wide input spans 40 binades (so it exercises the histogram's scalar count); the page
+    prints one line per row."""
+    from experiments.bench import boundary_ops
+
+    rows = boundary_ops.bench_boundary_ops(2, calls=2, n=4096)
+    assert [(r["op"], r["dtype"], r["input"]) for r in rows] == [
+        *[(op, dt, "normal") for dt in ("float32", "float16", "bfloat16")
+          for op in ("grad_extremes", "boundary_rescale", "exponent_histogram")],
+        *[("exponent_histogram", dt, "wide") for dt in ("float32", "float16", "bfloat16")]]
+    for r in rows:
+        assert r["op_us"] > 0 and r["reference_us"] > 0 and r["speedup"] > 0 and r["rounds"] == 2
+    wide = boundary_ops.gradient("wide", torch.float32, 4096).abs().log2().floor()
+    assert int(wide.max() - wide.min()) == 39
+    text = boundary_ops.format_boundary_ops(rows)
+    assert text.startswith("(c3)") and "2 calls" in text and len(text.splitlines()) == 6 + len(rows)

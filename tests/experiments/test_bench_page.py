@@ -28,14 +28,15 @@ def test_sections_c_and_e_run_their_minimum_rounds_unless_repeats_is_given(tmp_p
     """(c) and (e) judge a ratio against a 5 % target, so a plain run gives them at least
     HOOK_ROUNDS and EVERY_ROUNDS rounds, (c)'s spread over HOOK_PROCESSES processes; an explicit
     --repeats (or --quick) is taken as given, in this process."""
-    from experiments.bench import hook_host, steps
+    from experiments.bench import boundary_ops, hook_host, steps
 
     asked = []
     monkeypatch.setattr(steps, "bench_hooks", lambda n, processes: asked.append(("c", n, processes)) or [])
     monkeypatch.setattr(steps, "bench_every", lambda n: asked.append(("e", n)) or [])
     monkeypatch.setattr(hook_host, "bench_hook_host", lambda n: asked.append(("c2", n)) or [])
+    monkeypatch.setattr(boundary_ops, "bench_boundary_ops", lambda n: asked.append(("c3", n)) or [])
     base = ["--sizes", "2000", "--steps", "1", "--tensors", "2", "--strategies", "native", "--out", str(tmp_path / "b.json")]
     assert bench.main(base) == 0
     assert bench.main(base + ["--repeats", "2"]) == 0
-    assert asked == [("c", steps.HOOK_ROUNDS, steps.HOOK_PROCESSES), ("c2", hook_host.HOST_ROUNDS), ("e", steps.EVERY_ROUNDS),
-                     ("c", 2, 1), ("c2", 2), ("e", 2)]
+    assert asked == [("c", steps.HOOK_ROUNDS, steps.HOOK_PROCESSES), ("c2", hook_host.HOST_ROUNDS),
+                     ("c3", boundary_ops.OPS_ROUNDS), ("e", steps.EVERY_ROUNDS), ("c", 2, 1), ("c2", 2), ("c3", 2), ("e", 2)]
