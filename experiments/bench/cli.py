@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         op_rows = boundary_ops.bench_boundary_ops(at_least(boundary_ops.OPS_ROUNDS))
         fused_size = sizes[-1]
         fused_rows = bench_steps.bench_fused(*make_params(fused_size, min(args.tensors, fused_size)), names, repeats)
-        every_rows = bench_steps.bench_every(at_least(bench_steps.EVERY_ROUNDS))
+        every_rows = bench_steps.bench_every(at_least(bench_steps.EVERY_ROUNDS), held=pooled)
     meta = {**machine_info(), "loadavg_before": load_before, "repeats": repeats, "steps": steps,
             "argv": argv_used}
     result = {"meta": meta, "overhead": overhead, "stats_pass": stats_rows, "hooks": hook_rows, "hook_host": host_rows,

@@ -157,23 +157,28 @@ def _hook_row(rec: dict[str, Any], **extra: Any) -> dict[str, Any]:
             **rec["memory"], **extra}
 
 
+def _child(job: dict[str, Any], env: dict[str, str], section: str) -> Any:
+    """``job`` run by ``python -m experiments.bench.steps`` in a fresh interpreter with ``env`` (and
+    this process's torch thread count); what it printed last, parsed."""
+    done = subprocess.run([sys.executable, "-m", "experiments.bench.steps"],
+                          input=json.dumps({**job, "threads": torch.get_num_threads()}), capture_output=True,
+                          text=True, env=env, cwd=Path(__file__).resolve().parents[2])
+    if done.returncode != 0:
+        raise RuntimeError(f"bench {section}: a pooled process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _pooled(repeats: int, models: tuple[str, ...], processes: int) -> list[dict[str, Any]]:
     """:func:`hook_times` in ``processes`` fresh interpreters (``python -m experiments.bench.steps``,
     one after the other, so they never share the cores), ``ceil(repeats / processes)`` rounds each
     on the thread-time clock, pooled per row: once with glibc's heap held (:data:`HOOK_MALLOC`: the
     row's ratio) and once with its defaults (``ratio_default``); each with the minor page faults per
     step of either side (``faults_*``: medians over the pooled rounds)."""
-    job = json.dumps({"repeats": math.ceil(repeats / processes), "models": list(models), "threads": torch.get_num_threads()})
+    job = {"section": "c", "repeats": math.ceil(repeats / processes), "models": list(models)}
     default_env = {k: v for k, v in os.environ.items() if k not in HOOK_MALLOC}
     pooled = {}
     for setting, env in (("held", {**default_env, **HOOK_MALLOC}), ("default", default_env)):
-        runs = []
-        for _ in range(processes):
-            done = subprocess.run([sys.executable, "-m", "experiments.bench.steps"], input=job, capture_output=True,
-                                  text=True, env=env, cwd=Path(__file__).resolve().parents[2])
-            if done.returncode != 0:
-                raise RuntimeError(f"bench (c): a pooled process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs = [_child(job, env, "(c)") for _ in range(processes)]
         pooled[setting] = [{**recs[0], **{k: [x for r in recs for x in r[k]] for k in ("plain", "hooked")},
                             "faults": {k: [x for r in recs for x in r["faults"][k]] for k in ("plain", "hooked")},
                             "process_ratios": [paired_ratio(r["hooked"], r["plain"]) for r in recs]} for recs in zip(*runs)]
@@ -197,11 +202,17 @@ interval of a ratio spanned 0.03-0.10 (its order statistics are then the extreme
 ~3 min (a round is 16 steps of every copy)."""
 
 
-def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, block: int = 16) -> list[dict[str, Any]]:
+def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, block: int = 16,
+                held: bool = False) -> list[dict[str, Any]]:
     """(e) The attached rules on the MLP with ``stats_every = k`` and ``stats_layers = q``: per
     round, ``block`` training steps (so each k's share of statistic steps, 1/k, is in every timing)
     of the plain copy and of an attached copy per setting, side by side; the ratio is
-    attached(k, q) / plain in the same round."""
+    attached(k, q) / plain in the same round. ``held``: in one fresh interpreter with glibc's heap
+    held (:data:`HOOK_MALLOC`), as (c)'s ratio; else in this process."""
+    if held:
+        env = {**os.environ, **HOOK_MALLOC}
+        rows = _child({"section": "e", "repeats": repeats, "every": [list(e) for e in every], "block": block}, env, "(e)")
+        return [{**r, "held": True} for r in rows]
     model, loss_of = _mlp()
     rows = []
     for label, kw in HOOKED.items():
@@ -249,9 +260,11 @@ def table(head: list[str], cols: list[tuple[str, str, int, str]], rows: list[dic
 
 
 def format_every(rows: list[dict[str, Any]]) -> str:
+    where = (["    one fresh process with glibc's heap held, as (c)'s ratio: compare its rows with each other, not with (c)"]
+             if rows and rows[0].get("held") else [])
     return table(["(e) statistics every k steps (stats_every) and of a share q of the layers (stats_layers): the attached",
                    "    rules on the MLP, blocks of 16 training steps; median CPU ms (thread_time) per step; ratio: median over rounds of",
-                   "    attached(k, q) / plain in the same round, and its 95 % interval (distribution-free, order statistics)"],
+                   "    attached(k, q) / plain in the same round, and its 95 % interval (distribution-free, order statistics)", *where],
                   [("strategy", "strategy", 20, "s"), ("k", "stats_every", 4, "d"), ("q", "stats_layers", 6, ".2f"),
                    ("plain", "plain_ms", 10, ".3f"), ("attached", "attached_ms", 12, ".3f"), ("ratio", "ratio", 9, ".3f"),
                    ("95% interval", "ratio", 18, "i")],
@@ -329,6 +342,10 @@ def format_fused(rows: list[dict[str, Any]], size: str) -> str:
                    ("vs GradScaler", "vs_gradscaler", 15, "x")], rows)
 
 
-if __name__ == "__main__":  # one pooled process of section (c) (_pooled): a JSON job on stdin, the times on stdout
+if __name__ == "__main__":  # one fresh process of section (c) or (e) (_child): a JSON job on stdin, the result on stdout
     _job = json.loads(sys.stdin.read())
-    print(json.dumps(hook_times(_job["repeats"], tuple(_job["models"]), threads=_job["threads"])))
+    if _job["section"] == "e":
+        torch.set_num_threads(_job["threads"])
+        print(json.dumps(bench_every(_job["repeats"], tuple(tuple(e) for e in _job["every"]), _job["block"])))
+    else:
+        print(json.dumps(hook_times(_job["repeats"], tuple(_job["models"]), threads=_job["threads"])))

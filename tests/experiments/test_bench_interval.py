@@ -57,14 +57,26 @@ def test_section_c_prints_each_ratio_with_its_interval():
     assert line.split()[-3:] == ["1.040", "[1.031,", "1.052]"]
 
 
+def _spy_children(monkeypatch) -> list[dict]:
+    """The environments the bench's child interpreters get (``subprocess.run`` is shared: the
+    kernel build calls it too, and passes through untouched)."""
+    envs, real_run = [], steps.subprocess.run
+
+    def run(*args, **kw):
+        if args and "experiments.bench.steps" in args[0]:
+            envs.append(kw["env"])
+        return real_run(*args, **kw)
+
+    monkeypatch.setattr(steps.subprocess, "run", run)
+    return envs
+
+
 def test_section_c_pools_rounds_from_fresh_processes(monkeypatch):
     """processes=2: each row holds both processes' rounds (2 x 2), both processes' own median
     ratios, and its pooled ratio is the paired median of those rounds; two processes more run under
     glibc's default heap settings (``ratio_default``), the first two with HOOK_MALLOC; the page says so."""
-    envs = []
-    real_run = steps.subprocess.run
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")  # a caller's own setting: not passed to the default runs
-    monkeypatch.setattr(steps.subprocess, "run", lambda *a, **kw: envs.append(kw["env"]) or real_run(*a, **kw))
+    envs = _spy_children(monkeypatch)
     rows = steps.bench_hooks(3, ("mlp",), processes=2)
     assert [{k: e.get(k) for k in steps.HOOK_MALLOC} for e in envs] == [steps.HOOK_MALLOC] * 2 + [dict.fromkeys(steps.HOOK_MALLOC)] * 2
     assert [r["strategy"] for r in rows] == list(steps.HOOKED)
@@ -132,3 +144,16 @@ def test_section_c3_times_each_boundary_op_against_its_reference():
     assert int(wide.max() - wide.min()) == 39
     text = boundary_ops.format_boundary_ops(rows)
     assert text.startswith("(c3)") and "2 calls" in text and len(text.splitlines()) == 6 + len(rows)
+
+
+def test_section_e_held_runs_in_a_fresh_process_with_the_heap_held(monkeypatch):
+    """held=True: (e) runs in one child interpreter given HOOK_MALLOC (its rows say so, the page too)."""
+    envs = _spy_children(monkeypatch)
+    rows = steps.bench_every(2, every=((1, 1.0), (4, 0.5)), block=1, held=True)
+    assert len(envs) == 1 and all(envs[0][k] == v for k, v in steps.HOOK_MALLOC.items())
+    assert [(r["strategy"], r["stats_every"], r["stats_layers"]) for r in rows] == [
+        ("layerwise", 1, 1.0), ("layerwise_adaloss", 1, 1.0), ("underflow_target", 1, 1.0),
+        ("underflow_target", 4, 0.5)]  # the layerwise rules take stats_layers = 1 only
+    assert all(r["held"] and r["plain_ms"] > 0 and r["attached_ms"] > 0 for r in rows)
+    assert "heap held" in steps.format_every(rows) and "heap held" not in steps.format_every(steps.bench_every(
+        1, every=((1, 1.0),), block=1))

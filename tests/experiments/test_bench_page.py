@@ -32,11 +32,12 @@ def test_sections_c_and_e_run_their_minimum_rounds_unless_repeats_is_given(tmp_p
 
     asked = []
     monkeypatch.setattr(steps, "bench_hooks", lambda n, processes: asked.append(("c", n, processes)) or [])
-    monkeypatch.setattr(steps, "bench_every", lambda n: asked.append(("e", n)) or [])
+    monkeypatch.setattr(steps, "bench_every", lambda n, held: asked.append(("e", n, held)) or [])
     monkeypatch.setattr(hook_host, "bench_hook_host", lambda n: asked.append(("c2", n)) or [])
     monkeypatch.setattr(boundary_ops, "bench_boundary_ops", lambda n: asked.append(("c3", n)) or [])
     base = ["--sizes", "2000", "--steps", "1", "--tensors", "2", "--strategies", "native", "--out", str(tmp_path / "b.json")]
     assert bench.main(base) == 0
     assert bench.main(base + ["--repeats", "2"]) == 0
     assert asked == [("c", steps.HOOK_ROUNDS, steps.HOOK_PROCESSES), ("c2", hook_host.HOST_ROUNDS),
-                     ("c3", boundary_ops.OPS_ROUNDS), ("e", steps.EVERY_ROUNDS), ("c", 2, 1), ("c2", 2), ("c3", 2), ("e", 2)]
+                     ("c3", boundary_ops.OPS_ROUNDS), ("e", steps.EVERY_ROUNDS, True), ("c", 2, 1), ("c2", 2), ("c3", 2),
+                     ("e", 2, False)]
