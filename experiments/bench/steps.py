@@ -73,21 +73,23 @@ within 5 % of 1, and 7 rounds moved one rule's median ratio by 0.02 between runs
 (1.061 against 1.042 and 1.043 at 61 rounds); spread over :data:`HOOK_PROCESSES` processes, 8 rounds
 each, they take ~70 s."""
 HOOK_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
-"""The glibc settings section (c)'s pooled processes run under for its ratio: with glibc's defaults,
-``free`` hands the top of the heap back to the kernel once more than a (self-adjusting) threshold is
-free there, and the next step faults those pages in again. Whether a step's pattern of frees trips
-it depends on the process's heap layout: in some processes the attached MLP step took 112-128
-minor page faults a step and the plain one none (``resource.getrusage``, RUSAGE_THREAD), and
-``underflow_target``'s median ratio ranged 1.025-1.139 over eight processes; with the heap held
-(mmap only above 32 MiB, trimming above 1 GiB) the same eight read 1.026-1.036. The rows keep what the
-defaults gave beside it (``ratio_default``, and the faults per step)."""
+"""The glibc settings section (c)'s pooled processes (and (e)'s one) run under for their ratios: with
+glibc's defaults, ``free`` hands the top of the heap back to the kernel once more than a
+(self-adjusting) threshold is free there, and the next step faults those pages in again. Whether a
+step's pattern of frees trips it depends on the process's heap layout: on 2026-11-27 the attached
+``underflow_target`` MLP step took a median of 688 minor page faults a step and the plain one none,
+and its per-process ratio ranged 1.035-1.132 over eight processes; with the heap held (mmap only
+above 32 MiB, trimming above 1 GiB) eight read 1.022-1.036 (docs/bench-cpu.md). The rows keep what
+the defaults gave beside it (``ratio_default``, and the faults per step)."""
 HOOK_PROCESSES = 8
 """Section (c)'s fresh interpreters (``scalelab-bench`` without ``--quick`` or ``--repeats``): a rule's
 median ratio moves from one process to the next by more than the 95 % interval of one process's
 rounds (``layerwise_adaloss`` on the MLP: 1.049-1.071 over six processes of 31 rounds, 1.051-1.058
-over six fresh copies in one process; ``underflow_target``: 1.043-1.132 over eight processes),
-so its rounds are spread over this many processes and pooled. Four pooled runs of 8 x 8 rounds
-agreed within 0.011 on every row; two of 3 x 21 rounds differed by 0.036 on ``underflow_target``."""
+over six fresh copies in one process; ``underflow_target``: 1.043-1.132 over eight processes, under
+glibc's defaults), so its rounds are spread over this many processes and pooled. Four pooled runs of
+8 x 8 rounds agreed within 0.011 on every row; two of 3 x 21 rounds differed by 0.036 on
+``underflow_target``. Much of that spread was the heap (:data:`HOOK_MALLOC`); with it held, three
+pooled runs read ``layerwise_adaloss`` at 1.051, 1.051 and 1.050."""
 
 
 def bench_hooks(repeats: int, models: tuple[str, ...] = ("mlp", "gpt"), device: str = "cpu",
