@@ -81,8 +81,9 @@ def bench_boundary_ops(rounds: int, calls: int = CALLS, n: int = SIZE) -> list[d
 
 
 def format_boundary_ops(rows: list[dict[str, Any]]) -> str:
-    head = [f"(c3) the layer-boundary ops on one {SIZE}-entry activation gradient (the MLP's 256 x 512), CPU us per call",
-            f"    (thread_time), median over rounds of {rows[0]['calls'] if rows else CALLS} calls; reference: the same in plain torch;",
+    calls = rows[0]["calls"] if rows else CALLS
+    head = [f"(c3) the layer-boundary ops on one {SIZE}-entry activation gradient (the MLP's 256 x 512), CPU us per",
+            f"    call (thread_time), median over rounds of {calls} calls; reference: the same in plain torch;",
             "    speedup: median over rounds of reference / op; input normal: N(0, 1e-2), wide: over 40 binades"]
     if not rows:
         return "\n".join([*head, "", "  (the kernel extension is not built: nothing to time)"])

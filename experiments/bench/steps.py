@@ -159,14 +159,15 @@ def _hook_row(rec: dict[str, Any], **extra: Any) -> dict[str, Any]:
             **rec["memory"], **extra}
 
 
-def _child(job: dict[str, Any], env: dict[str, str], section: str) -> Any:
+def _child(job: dict[str, Any], env: dict[str, str], what: str) -> Any:
     """``job`` run by ``python -m experiments.bench.steps`` in a fresh interpreter with ``env`` (and
-    this process's torch thread count); what it printed last, parsed."""
+    this process's torch thread count); what it printed last, parsed. ``what`` names the process in
+    the one-line error a failed run raises."""
     done = subprocess.run([sys.executable, "-m", "experiments.bench.steps"],
                           input=json.dumps({**job, "threads": torch.get_num_threads()}), capture_output=True,
                           text=True, env=env, cwd=Path(__file__).resolve().parents[2])
     if done.returncode != 0:
-        raise RuntimeError(f"bench {section}: a pooled process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise RuntimeError(f"bench {what} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -180,10 +181,11 @@ def _pooled(repeats: int, models: tuple[str, ...], processes: int) -> list[dict[
     default_env = {k: v for k, v in os.environ.items() if k not in HOOK_MALLOC}
     pooled = {}
     for setting, env in (("held", {**default_env, **HOOK_MALLOC}), ("default", default_env)):
-        runs = [_child(job, env, "(c)") for _ in range(processes)]
+        runs = [_child(job, env, "(c): a pooled process") for _ in range(processes)]
         pooled[setting] = [{**recs[0], **{k: [x for r in recs for x in r[k]] for k in ("plain", "hooked")},
                             "faults": {k: [x for r in recs for x in r["faults"][k]] for k in ("plain", "hooked")},
-                            "process_ratios": [paired_ratio(r["hooked"], r["plain"]) for r in recs]} for recs in zip(*runs)]
+                            "process_ratios": [paired_ratio(r["hooked"], r["plain"]) for r in recs]}
+                           for recs in zip(*runs)]
     rows = []
     for held, default in zip(pooled["held"], pooled["default"]):
         rows.append(_hook_row(held, processes=processes, process_ratios=held["process_ratios"],
@@ -213,7 +215,8 @@ def bench_every(repeats: int, every: tuple[tuple[int, float], ...] = EVERY, bloc
     held (:data:`HOOK_MALLOC`), as (c)'s ratio; else in this process."""
     if held:
         env = {**os.environ, **HOOK_MALLOC}
-        rows = _child({"section": "e", "repeats": repeats, "every": [list(e) for e in every], "block": block}, env, "(e)")
+        job = {"section": "e", "repeats": repeats, "every": [list(e) for e in every], "block": block}
+        rows = _child(job, env, "(e): its process")
         return [{**r, "held": True} for r in rows]
     model, loss_of = _mlp()
     rows = []
