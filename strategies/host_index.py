@@ -14,6 +14,7 @@ the life of the process; a capture uses a fixed set of them.
 from __future__ import annotations
 
 import functools
+
 import torch
 
 __all__ = ["KEEP", "host_tensor", "pinned"]

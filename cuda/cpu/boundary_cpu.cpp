@@ -21,7 +21,6 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -182,7 +181,6 @@ at::Tensor exponent_histogram_cpu(const at::Tensor& grad) {
               "scalelab::exponent_histogram: grad must be float32, float16 or bfloat16, got ", t);
   const at::Tensor x = grad.contiguous();
   FieldCounts c;
-  std::memset(&c, 0, sizeof c);
   Format fmt{};
   if (t == at::kFloat) {
     fmt = {23, 127, 0x7fffffffu, 0xffu};
@@ -193,7 +191,9 @@ at::Tensor exponent_histogram_cpu(const at::Tensor& grad) {
   }
   at::Tensor out = at::zeros({kExpBins}, grad.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for (int e = 1; e < static_cast<int>(fmt.top_field) + fmt.mbits; ++e) o[e - fmt.mbits - fmt.bias - kExpLo] += c.ext[e];
+  for (int e = 1; e < static_cast<int>(fmt.top_field) + fmt.mbits; ++e) {  // ext[0]: zeros
+    o[e - fmt.mbits - fmt.bias - kExpLo] += c.ext[e];
+  }
   return out;
 }
 

@@ -4,7 +4,7 @@
 // Each nonzero |bits| a is counted by its *extended field* e: the exponent field f + mbits when
 // f >= 1 (Inf/NaN too: the caller drops that field), and floor(log2 a) + 1 (1 .. mbits) for a
 // subnormal, so that every finite nonzero entry has the exponent e - mbits - bias. Zeros are not
-// counted. Integer counting on the bit patterns: exact, in any order.
+// counted (they land in ext[0]). Integer counting on the bit patterns: exact, in any order.
 //
 // AVX-512 (where the build targets it): per block of at most 255 vectors, the block's largest
 // |bits| names its top extended field, and the 32 from there down are counted in byte-wide lane
@@ -17,7 +17,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -34,21 +33,15 @@ struct Format {
 };
 
 struct FieldCounts {
-  int64_t ext[256 + 32];  // by extended field (0 unused: zeros are not counted)
+  int64_t ext[256 + 32] = {};  // by extended field (ext[0]: zeros, never read)
 };
 
-inline void count_field(uint32_t a, FieldCounts& c, int mbits) {
-  const uint32_t f = a >> mbits;
-  if (f != 0u) {
-    ++c.ext[f + mbits];
-  } else if (a != 0u) {
-    ++c.ext[32 - __builtin_clz(a)];
-  }
-}
-
+// |bits| a's extended field (0 for zero).
 inline uint32_t extended_field(uint32_t a, int mbits) {
   return a >> mbits != 0u ? (a >> mbits) + mbits : a != 0u ? 32 - __builtin_clz(a) : 0u;
 }
+
+inline void count_field(uint32_t a, FieldCounts& c, int mbits) { ++c.ext[extended_field(a, mbits)]; }
 
 #if defined(__AVX512F__)
 template <typename U>
@@ -122,7 +115,6 @@ void count_fields(const U* x, int64_t n, const Format& fmt, FieldCounts& c) {
   }
 #else
   FieldCounts more[3];  // four interleaved tables: repeated fields do not wait on one counter
-  std::memset(more, 0, sizeof more);
   for (; i + 4 <= n; i += 4) {
     count_field(x[i] & fmt.abs_mask, c, fmt.mbits);
     for (int k = 0; k < 3; ++k) count_field(x[i + 1 + k] & fmt.abs_mask, more[k], fmt.mbits);

@@ -53,6 +53,13 @@ def _ops(g: torch.Tensor) -> dict[str, tuple[Callable[[], Any], Callable[[], Any
             "exponent_histogram": (lambda: ops.exponent_histogram(g), lambda: exponent_histogram_reference(g))}
 
 
+def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+    return run
+
+
 def bench_boundary_ops(rounds: int, calls: int = CALLS, n: int = SIZE) -> list[dict[str, Any]]:
     """Per (op, dtype, input): ``op_us``, ``reference_us`` and ``speedup`` (median over rounds of
     reference / op in the same round). ``[]`` where the ops are not built (no kernels)."""
@@ -62,17 +69,11 @@ def bench_boundary_ops(rounds: int, calls: int = CALLS, n: int = SIZE) -> list[d
     for kind, names in (("normal", ("grad_extremes", "boundary_rescale", "exponent_histogram")),
                         ("wide", ("exponent_histogram",))):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            g = gradient(kind, dtype, n)
+            ops = _ops(gradient(kind, dtype, n))
             for name in names:
-                op, ref = _ops(g)[name]
-
-                def block(fn: Callable[[], Any]) -> Callable[[], None]:
-                    def run() -> None:
-                        for _ in range(calls):
-                            fn()
-                    return run
-
-                t = paired_ms({"op": block(op), "reference": block(ref)}, rounds, clock=time.thread_time)
+                op, ref = ops[name]
+                t = paired_ms({"op": _repeated(op, calls), "reference": _repeated(ref, calls)}, rounds,
+                              clock=time.thread_time)
                 rows.append({"op": name, "dtype": str(dtype).removeprefix("torch."), "input": kind,
                              "op_us": statistics.median(t["op"]) * 1e3 / calls,
                              "reference_us": statistics.median(t["reference"]) * 1e3 / calls,
